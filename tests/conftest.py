@@ -1,0 +1,73 @@
+"""Shared fixtures: tiny random Hugging Face models written to disk, and the real default model."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tokenmill.utils import default_model_path
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
+
+
+def make_tiny_hf(kind: str, path: str) -> str:
+    """Write a random tiny `kind` model (llama | qwen2 | gemma) as a Hugging Face directory."""
+    import transformers
+
+    torch.manual_seed({"llama": 0, "qwen2": 1, "gemma": 2}[kind])
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**TINY, rope_theta=1000000.0, tie_word_embeddings=True)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.GemmaConfig(**{**TINY, "head_dim": 16}, rope_theta=10000.0)
+        model = transformers.GemmaForCausalLM(cfg)
+    with torch.no_grad():  # norms away from 1 and biases away from 0, so every weight matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.float().eval().save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session", params=["llama", "qwen2", "gemma"])
+def tiny_model(request, tmp_path_factory) -> str:
+    return make_tiny_hf(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    return make_tiny_hf("llama", str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def default_model() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model):
+    """transformers' own implementation on the same GGUF (dequantized to float32): the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    d, f = os.path.split(default_model)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_model):
+    from transformers import AutoTokenizer
+
+    d, f = os.path.split(default_model)
+    return AutoTokenizer.from_pretrained(d, gguf_file=f)
+
+
+@pytest.fixture(scope="session")
+def llm(default_model):
+    from tokenmill import LLM
+
+    return LLM(default_model, dtype="float32", kv_cache_memory="1GiB")

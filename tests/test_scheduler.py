@@ -1,0 +1,97 @@
+"""Scheduler: token budget, chunked prefill, FCFS admission, preemption of the newest request."""
+from tokenmill.core.block_manager import BlockManager
+from tokenmill.core.request import Request
+from tokenmill.core.sched_output import RunnerOutput
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.sampling_params import SamplingParams
+
+
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1000):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), bm), bm
+
+
+def add(s, i, n, max_tokens=100):
+    r = Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), {0})
+    s.add_request(r)
+    return r
+
+
+def run_step(s, token=7):
+    out = s.schedule()
+    s.update(out, RunnerOutput(sampled={e.req_id: token for e in out.scheduled if e.sample}))
+    return out
+
+
+def test_chunked_prefill_within_budget_then_decode():
+    s, bm = make(budget=10)
+    r = add(s, 0, 25)
+    sizes = [len(run_step(s).scheduled[0].token_ids) for _ in range(4)]
+    assert sizes == [10, 10, 5, 1]
+    assert r.num_output_tokens == 2           # sampled after the last chunk, then one decode
+    assert r.num_computed_tokens == 26
+
+
+def test_running_first_then_waiting_fcfs_and_budget_shared():
+    s, bm = make(budget=12)
+    a = add(s, 0, 8)
+    run_step(s)                                # a prefilled
+    b, c = add(s, 1, 8), add(s, 2, 8)
+    out = run_step(s)
+    assert [(e.req_id, len(e.token_ids), e.sample) for e in out.scheduled] == [("r0", 1, True), ("r1", 8, True),
+                                                                              ("r2", 3, False)]
+    out = run_step(s)
+    assert [(e.req_id, len(e.token_ids)) for e in out.scheduled] == [("r0", 1), ("r1", 1), ("r2", 5)]
+
+
+def test_max_num_seqs_limits_admission():
+    s, _ = make(max_seqs=2)
+    for i in range(3):
+        add(s, i, 2)
+    out = run_step(s)
+    assert [e.req_id for e in out.scheduled] == ["r0", "r1"]
+    assert [r.req_id for r in s.waiting] == ["r2"]
+
+
+def test_preempts_newest_when_blocks_run_out_and_recomputes_it():
+    s, bm = make(num_blocks=4, block_size=4, budget=64)
+    a, b = add(s, 0, 8), add(s, 1, 8)          # 2 blocks each: cache full after prefill
+    run_step(s)
+    assert bm.num_free_blocks == 0
+    out = run_step(s)                          # a's 9th token needs a 3rd block -> b is preempted
+    assert out.preempted == ["r1"]
+    assert [e.req_id for e in out.scheduled] == ["r0"]
+    assert b.num_computed_tokens == 0 and b.block_table == [] and list(s.waiting) == [b]
+    assert b.num_output_tokens == 1            # its sampled token survives preemption
+    bm.check_integrity(list(s.requests.values()))
+    s.finish_request("r0", "abort")
+    out = run_step(s)                          # b comes back: prompt + its output recomputed
+    assert out.scheduled[0].req_id == "r1" and len(out.scheduled[0].token_ids) == 9
+    bm.check_integrity(list(s.requests.values()))
+
+
+def test_request_preempts_itself_when_alone_newest():
+    s, bm = make(num_blocks=3, block_size=4, budget=64)
+    a, b = add(s, 0, 4), add(s, 1, 7)
+    run_step(s)                                # a: 1 block (+ sampled -> 5 tokens), b: 2 blocks
+    out = run_step(s)                          # a needs block 2 -> preempts b (newest), then fits
+    assert out.preempted == ["r1"] and [e.req_id for e in out.scheduled] == ["r0"]
+
+
+def test_length_finish_frees_blocks():
+    s, bm = make()
+    r = add(s, 0, 3, max_tokens=2)
+    run_step(s)
+    run_step(s)
+    assert r.is_finished and r.finish_reason == "length"
+    assert bm.num_free_blocks == bm.num_blocks and not s.has_unfinished()
+
+
+def test_eos_respects_min_tokens_and_ignore_eos():
+    s, _ = make()
+    r = Request("x", [1, 2], SamplingParams(max_tokens=10, min_tokens=2), {0})
+    s.add_request(r)
+    run_step(s, token=0)                       # EOS at 1 output token < min_tokens: keeps going
+    assert not r.is_finished
+    run_step(s, token=0)
+    assert r.is_finished and r.finish_reason == "stop"

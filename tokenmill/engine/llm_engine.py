@@ -1,0 +1,218 @@
+"""LLMEngine: owns the scheduler, the runner and the detokenizer, and turns one call of `step()`
+into one batched forward pass plus the outputs it produced.
+
+A request with n > 1 becomes n child sequences (`<id>#<i>`) that run independently; their
+outputs are gathered back under the parent id.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.block_manager import BlockManager, cdiv
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.detokenizer import DetokState
+from tokenmill.models import loader
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.runner import kv_cache
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.utils import default_model_path, resolve_device
+
+log = logging.getLogger("tokenmill")
+
+
+@dataclass
+class _Parent:
+    req_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[DetokState | None]
+    outputs: list[CompletionOutput]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        mc, cc, sc = config.model, config.cache, config.scheduling
+        self.config = config
+        self.model_path = mc.model or default_model_path()
+        self.device = resolve_device(mc.device)
+        t0 = time.monotonic()
+        loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init)
+        self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
+        self.dtype = next(loaded.model.parameters()).dtype
+
+        limit = min(self.arch.max_position_embeddings, self.arch.sliding_window or math.inf)
+        self.max_model_len = int(mc.max_model_len or limit)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {int(limit)} tokens.")
+        num_blocks, budget = kv_cache.num_blocks_for(self.arch, cc.block_size, self.dtype, self.device,
+                                                     cc.kv_cache_memory, cc.gpu_memory_utilization)
+        self.block_size = cc.block_size
+        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len),
+                                   self.block_manager)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self.parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, tuple[_Parent, int]] = {}
+        self._seed_counter = mc.seed
+        self.kv_capacity_tokens = num_blocks * cc.block_size
+        log.info("loaded %s (%s, %d layers) on %s in %.1fs; KV cache %d blocks x %d = %d tokens (%.2f GiB)",
+                 self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
+                 num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30)
+
+    # ------------------------------------------------------------------ intake
+    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if req_id in self.parents:
+            raise ValueError(f"request id {req_id!r} is already in use.")
+        text, ids = self._tokenize(prompt)
+        self._check_length(len(ids), params)
+        params_list = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
+        parent = _Parent(req_id, text, ids, [], [], [])
+        for i, p in enumerate(params_list):
+            child_id = req_id if params.n == 1 else f"{req_id}#{i}"
+            req = Request(child_id, ids, p, self.eos_token_ids, arrival_time)
+            parent.children.append(req)
+            parent.detoks.append(DetokState(self.tokenizer, ids, p) if self.tokenizer else None)
+            parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))
+            self._child_parent[child_id] = (parent, i)
+            self.runner.add_request(child_id, ids, p, self.eos_token_ids)
+            self.scheduler.add_request(req)
+        self.parents[req_id] = parent
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine was started without a tokenizer; pass prompt token ids.")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = list(prompt), None
+            vocab = self.arch.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}.")
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token.")
+        return text, ids
+
+    def _check_length(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"the prompt has {prompt_len} tokens but the model's context (max_model_len) is "
+                             f"{self.max_model_len}; shorten the prompt.")
+        if params.max_tokens is not None and prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{prompt_len + params.max_tokens} exceeds the context of {self.max_model_len} tokens; "
+                             f"ask for at most {self.max_model_len - prompt_len} new tokens.")
+        total = min(prompt_len + (params.max_tokens or self.max_model_len), self.max_model_len)
+        if cdiv(total, self.block_size) > self.block_manager.num_blocks:
+            raise ValueError(f"this request needs up to {total} tokens of KV cache but the cache holds only "
+                             f"{self.kv_capacity_tokens}; raise kv_cache_memory or lower max_tokens.")
+
+    # ------------------------------------------------------------------ exit
+    def abort_request(self, req_id: str) -> RequestOutput | None:
+        """Stops a request now and frees its KV blocks; returns its final output (finish_reason
+        'abort' on the sequences that had not finished), or None if it is unknown or done."""
+        parent = self.parents.get(req_id)
+        if parent is None:
+            return None
+        for i, req in enumerate(parent.children):
+            if not req.is_finished:
+                self.scheduler.finish_request(req.req_id, "abort")
+                self._finish_child(parent, i)
+        return self._request_output(parent, set(range(len(parent.children))))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        now = time.monotonic()
+        for entry in sched.scheduled:
+            req = self.scheduler.requests[entry.req_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+        result = self.runner.execute(sched)
+        advanced = self.scheduler.update(sched, result)
+        return self._process(advanced)
+
+    def _process(self, advanced: list[Request]) -> list[RequestOutput]:
+        now = time.monotonic()
+        touched: dict[str, tuple[_Parent, set[int]]] = {}
+        for req in advanced:
+            parent, i = self._child_parent[req.req_id]
+            m = req.metrics
+            m.first_token_time = m.first_token_time or now
+            m.last_token_time = now
+            detok = parent.detoks[i]
+            if detok is not None:
+                stop = detok.add_tokens([req.token_ids[-1]])
+                if stop is not None and not req.is_finished:
+                    req.finish_reason, req.stop_reason = "stop", stop
+                    self.scheduler.finish_request(req.req_id, "stop")
+            if req.is_finished:
+                self._finish_child(parent, i)
+            touched.setdefault(parent.req_id, (parent, set()))[1].add(i)
+        return [self._request_output(p, idx) for p, idx in touched.values()]
+
+    def _finish_child(self, parent: _Parent, i: int) -> None:
+        req = parent.children[i]
+        req.metrics.finished_time = time.monotonic()
+        self.runner.remove_request(req.req_id)
+        self._child_parent.pop(req.req_id, None)
+        if all(c.is_finished for c in parent.children):
+            self.parents.pop(parent.req_id, None)
+
+    def _request_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
+        for i in changed:
+            req, out, detok = parent.children[i], parent.outputs[i], parent.detoks[i]
+            new_ids = req.output_token_ids[len(out.token_ids):]
+            out.token_ids = list(req.output_token_ids)
+            out.delta_token_ids = new_ids
+            out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
+            if detok is not None:
+                out.delta_text = detok.take_delta(req.is_finished)
+                out.text = detok.text[:detok.num_emitted]
+            if req.params.logprobs is not None:
+                done = out.logprobs or []
+                out.logprobs = done + [self.logprobs_for(tid, entry) for tid, entry in
+                                       zip(req.output_token_ids[len(done):], req.logprobs[len(done):])]
+                out.cumulative_logprob = sum(e[0] for e in req.logprobs)
+        for i in set(range(len(parent.outputs))) - changed:
+            parent.outputs[i].delta_text, parent.outputs[i].delta_token_ids = "", []
+        finished = all(c.is_finished for c in parent.children)
+        metrics = parent.children[0].metrics
+        return RequestOutput(parent.req_id, parent.prompt, parent.prompt_token_ids,
+                             [_copy(o) for o in parent.outputs], finished, metrics)
+
+    def logprobs_for(self, token_id: int, entry: tuple[float, int, list[tuple[int, float]]]) -> dict[int, Logprob]:
+        """One position's logprobs: the sampled token first, then the top-k alternatives."""
+        chosen, rank, top = entry
+        dec = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
+        d = {token_id: Logprob(chosen, rank, dec(token_id))}
+        for r, (tid, lp) in enumerate(top, start=1):
+            d.setdefault(tid, Logprob(lp, r, dec(tid)))
+        return d
+
+
+def _copy(o: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+                            list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason,
+                            o.delta_text, list(o.delta_token_ids))

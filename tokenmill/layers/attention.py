@@ -1,0 +1,114 @@
+"""Attention over the paged KV cache, and the per-step ForwardContext that tells it where to go.
+
+The runner builds one `AttentionMetadata` per step and installs it with `forward_context(...)`;
+model forwards keep the plain `(input_ids, positions)` signature. Outside any context (or with
+no cache attached) attention is dense and causal over the whole input: that path serves
+perplexity evaluation and training, which need no cache.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillSegment:
+    """Queries `[q_start, q_end)` of the flat batch, one request's prompt chunk. With no earlier
+    context (`block_table is None`) it attends causally to its own fresh keys; otherwise it reads
+    its whole context from the cache under `mask` (q_len, ctx_slots), True = may attend."""
+    q_start: int
+    q_end: int
+    block_table: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor                      # (T,) cache slot of every token fed
+    decode_idx: torch.Tensor | None = None          # (B,) flat indices of single-token decodes
+    decode_block_tables: torch.Tensor | None = None  # (B, max_blocks), padded with block 0
+    decode_mask: torch.Tensor | None = None          # (B, 1, 1, max_blocks*block_size) bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+
+
+_CONTEXT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(meta: AttentionMetadata | None) -> Iterator[None]:
+    global _CONTEXT
+    prev, _CONTEXT = _CONTEXT, meta
+    try:
+        yield
+    finally:
+        _CONTEXT = prev
+
+
+def get_forward_context() -> AttentionMetadata | None:
+    return _CONTEXT
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Views into the runner's cache, (num_blocks, block_size, num_kv_heads, head_dim) each.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
+        meta = get_forward_context()
+        if meta is None or self.k_cache is None:
+            return _sdpa(q, k, v, self.scale, causal=True)
+        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.decode_idx is not None:
+            qd = q[meta.decode_idx].unsqueeze(1)                    # (B, 1, Hq, D)
+            kd = gather_blocks(self.k_cache, meta.decode_block_tables)  # (B, L, Hkv, D)
+            vd = gather_blocks(self.v_cache, meta.decode_block_tables)
+            od = _sdpa_batched(qd, kd, vd, self.scale, meta.decode_mask)
+            out[meta.decode_idx] = od.squeeze(1)
+        for seg in meta.prefills:
+            qs = q[seg.q_start:seg.q_end]
+            if seg.block_table is None:
+                out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end], v[seg.q_start:seg.q_end],
+                                                   self.scale, causal=True)
+            else:
+                kc = gather_blocks(self.k_cache, seg.block_table[None])
+                vc = gather_blocks(self.v_cache, seg.block_table[None])
+                out[seg.q_start:seg.q_end] = _sdpa_batched(qs[None], kc, vc, self.scale, seg.mask[None, None])[0]
+        return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write each token's K/V into its slot: the cache viewed as (num_slots, Hkv, D)."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """(num_blocks, bs, H, D)[(B, nb)] -> contiguous context (B, nb*bs, H, D)."""
+    b, nb = block_tables.shape
+    return cache[block_tables].view(b, nb * cache.shape[1], *cache.shape[2:])
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    # (T, H, D) -> (1, H, T, D) for SDPA and back
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o[0].transpose(0, 1)
+
+
+def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  mask: torch.Tensor) -> torch.Tensor:
+    # q: (B, Tq, Hq, D), k/v: (B, L, Hkv, D), mask broadcastable to (B, 1, Tq, L) -> (B, Tq, Hq, D)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return o.transpose(1, 2)

@@ -1,0 +1,1 @@
+"""Model architectures, checkpoint loaders (Hugging Face directories, GGUF) and tokenizers."""

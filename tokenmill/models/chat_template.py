@@ -1,0 +1,41 @@
+"""Chat templates rendered the way Hugging Face's `apply_chat_template` renders them, inside
+jinja2's immutable sandbox: a model file is untrusted input, its template must not reach Python."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+def _raise(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # jinja's own filter escapes HTML; templates expect plain JSON
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the model's chat template does not parse: {e}") from None
+
+
+def render(source: str, messages: list[dict], add_generation_prompt: bool, special: dict[str, str],
+           tools: list | None = None, **kwargs) -> str:
+    try:
+        return compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                               tools=tools, documents=None, **special, **kwargs)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat template rejected the conversation: {e}") from None

@@ -1,0 +1,104 @@
+"""Single-file GGUF models: metadata, tensors (dequantized at load), tokenizer and chat template.
+
+The `gguf` package parses the file and dequantizes block formats; this module maps llama.cpp
+tensor names onto Hugging Face names, undoes llama.cpp's Q/K row permutation for Llama-family
+files (it converts rotate-half RoPE to interleaved; our rotary is rotate-half), and turns every
+way a file can be broken into a ValueError that says so.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def is_gguf(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except (IsADirectoryError, FileNotFoundError, PermissionError):
+        return False
+
+
+class GGUFFile:
+    def __init__(self, path: str) -> None:
+        import gguf
+
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:  # the reader raises anything from struct errors to numpy ValueErrors
+            raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated?): "
+                             f"{type(e).__name__}: {e}") from None
+        self.meta: dict = {}
+        for key, field in self.reader.fields.items():
+            try:
+                self.meta[key] = field.contents()
+            except Exception:  # noqa: BLE001 - an unreadable optional field is skipped, not fatal
+                continue
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        bad = sorted({t.tensor_type.name for t in self.reader.tensors} - SUPPORTED_TYPES)
+        if bad:
+            raise ValueError(f"{path} uses GGUF tensor types {bad}, which tokenmill cannot load; "
+                             f"supported: {sorted(SUPPORTED_TYPES)}. Re-quantize the model to one of those.")
+
+    @property
+    def architecture(self) -> str:
+        return self.meta.get("general.architecture", "?")
+
+    def vocab_size(self) -> int:
+        return self.tensors["token_embd.weight"].shape[-1].item() if "token_embd.weight" in self.tensors else 0
+
+    def hf_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (hf_name, float32 tensor) for every tensor in the file."""
+        permute = self.architecture in ("llama", "mistral")
+        for name, t in self.tensors.items():
+            hf = _hf_name(name)
+            if hf is None:
+                continue
+            w = torch.from_numpy(np.array(self._dequantize(t), copy=True))
+            if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
+                w = _unpermute(w, num_heads if "attn_q" in name else num_kv_heads)
+            yield hf, w
+
+    def _dequantize(self, t) -> np.ndarray:
+        import gguf
+
+        shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: (rows, cols)
+        try:
+            data = gguf.quants.dequantize(t.data, t.tensor_type)
+            return data.astype(np.float32, copy=False).reshape(shape)
+        except Exception as e:
+            raise ValueError(f"tensor {t.name} in {self.path} could not be read ({type(e).__name__}: {e}); "
+                             "the file is corrupt or truncated.") from None
+
+
+def _hf_name(name: str) -> str | None:
+    m = _BLK.match(name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            return None
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = name.rpartition(".")
+    return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's `permute`: rows (head, pair, half) -> (head, half, pair)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)

@@ -1,0 +1,150 @@
+"""One decoder for the Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2), Qwen2 (QKV bias)
+and Gemma (norm offset, embedding scale, GeLU). Fused QKV and gate/up projections.
+
+Input is a flat ragged batch: `input_ids` and `positions` of shape (T,), all requests' tokens
+back to back, no padding; attention finds the request boundaries in the ForwardContext.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.attention import Attention
+from tokenmill.layers.linear import FusedLinear, Linear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.arch import ArchConfig
+
+_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                    bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.rotary = rotary
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)      # (T, Hq, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)   # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = self.attn(q, k, v)                              # (T, Hq, D)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": self.inter, "up": self.inter})
+        self.down_proj = Linear(self.inter, cfg.hidden_size)
+        self.act = _ACTS.get(cfg.hidden_act)
+        if self.act is None:
+            raise ValueError(f"Unsupported activation {cfg.hidden_act!r}; supported: {sorted(_ACTS)}.")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.self_attn = SelfAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.mlp = MLP(cfg)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Weight names follow Hugging Face (`model.layers.N...`) minus the q/k/v and gate/up split,
+    which `load_weights` maps onto the fused layers."""
+
+    def __init__(self, cfg: ArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.rotary = rotary
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) token ids and positions -> (T, hidden) final hidden states."""
+        h = self.model.embed_tokens(input_ids)
+        if self.cfg.embed_scale:
+            h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
+        for layer in self.model.layers:
+            h = layer(positions, h)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+
+# checkpoint suffix -> (our parameter suffix, shard of a fused layer)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+def load_weights(model: CausalLM, weights) -> None:
+    """Copy `(hf_name, tensor)` pairs into the model; every parameter must be filled exactly once."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    filled: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb" in name:
+            continue
+        if name == "lm_head.weight" and model.lm_head is None:
+            continue  # tied: the embedding serves as the output projection
+        parts = name.split(".")
+        shard = None
+        if len(parts) >= 3 and parts[-2] in _FUSED:
+            fused, shard = _FUSED[parts[-2]]
+            parts[-2] = fused
+        target = ".".join(parts)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.cfg.family} model.")
+        param = params[target]
+        loader = getattr(modules[".".join(parts[:-1])], "weight_loader", None)
+        tensor = tensor.to(param.dtype)
+        if loader is not None:
+            loader(param, tensor, shard)
+        elif param.shape != tensor.shape:
+            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+        else:
+            param.data.copy_(tensor)
+        filled.add(f"{target}:{shard}")
+    expected = set()
+    for pname, _ in model.named_parameters():
+        mod = modules[pname.rsplit(".", 1)[0]]
+        shards = getattr(mod, "shard_offsets", None)
+        expected |= {f"{pname}:{s}" for s in shards} if shards else {f"{pname}:None"}
+    missing = sorted(expected - filled)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} in all); the file may be truncated or of another architecture.")

@@ -1,0 +1,179 @@
+"""Tokenizer: the `tokenizers` library built from `tokenizer.json` or from GGUF metadata, plus the
+special tokens and chat template that come with the model.
+
+GGUF files carry the vocabulary, merges and token types but not the pre-tokenizer; the split
+regex is chosen by `tokenizer.ggml.pre`, as llama.cpp does, so ids match the original tokenizer.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from tokenmill.models import chat_template
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the regexes applied in order (llama.cpp's table, the common entries)
+_PRE_SPLITS = {
+    "default": [_GPT2_SPLIT], "gpt2": [_GPT2_SPLIT], "smollm": [r"\p{N}", _GPT2_SPLIT],
+    "starcoder": [r"\p{N}", _GPT2_SPLIT], "refact": [r"\p{N}", _GPT2_SPLIT],
+    "llama3": [_LLAMA3_SPLIT], "llama-bpe": [_LLAMA3_SPLIT], "llama-v3": [_LLAMA3_SPLIT],
+    "smaug-bpe": [_LLAMA3_SPLIT], "qwen2": [_QWEN2_SPLIT], "deepseek-r1-qwen": [_QWEN2_SPLIT],
+}
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable spelling of every byte, the alphabet byte-level vocabularies are written in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class Tokenizer:
+    def __init__(self, tok: HFTokenizer, bos_token: str | None, eos_token: str | None,
+                 eos_token_ids: set[int], chat_template_src: str | None) -> None:
+        self.tok = tok
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template_src
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+
+    # ------------------------------------------------------------------ use
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None, **kwargs) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template; use plain completions (generate) instead of chat.")
+        special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, special, tools, **kwargs)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_hf_dir(cls, path: str) -> "Tokenizer":
+        tok_file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tok_file):
+            raise ValueError(f"{path} has no tokenizer.json; tokenmill needs the fast-tokenizer file "
+                             "(save it with `AutoTokenizer.from_pretrained(...).save_pretrained(dir)`).")
+        tok = HFTokenizer.from_file(tok_file)
+        cfg = _read_json(os.path.join(path, "tokenizer_config.json"))
+        gen = _read_json(os.path.join(path, "generation_config.json"))
+        template = cfg.get("chat_template")
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        bos, eos = _token_str(cfg.get("bos_token")), _token_str(cfg.get("eos_token"))
+        eos_ids = set()
+        if eos is not None and tok.token_to_id(eos) is not None:
+            eos_ids.add(tok.token_to_id(eos))
+        gen_eos = gen.get("eos_token_id")
+        eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+        return cls(tok, bos, eos, eos_ids, template)
+
+    @classmethod
+    def from_gguf(cls, meta: dict) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        tokens = meta.get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ValueError("the GGUF file carries no tokenizer (tokenizer.ggml.tokens is missing).")
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if kind == "gpt2":
+            tok = _byte_level_bpe(tokens, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
+            add_bos = False  # as Hugging Face's converter: byte-level vocabularies add no BOS
+        elif kind == "llama":
+            tok = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types)
+            add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        else:
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
+                             "'llama' (SentencePiece BPE).")
+        spelled = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
+        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                                if ty == _CONTROL and (spelled is None or set(t) <= spelled)])
+        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types)
+                        if ty == _USER_DEFINED])
+
+        def special(key: str) -> str | None:
+            i = meta.get(f"tokenizer.ggml.{key}")
+            return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+        bos, eos = special("bos_token_id"), special("eos_token_id")
+        if add_bos and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+                special_tokens=[(bos, meta["tokenizer.ggml.bos_token_id"])])
+        eos_ids = {meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
+                   if meta.get(f"tokenizer.ggml.{k}") is not None}
+        return cls(tok, bos, eos, eos_ids, meta.get("tokenizer.chat_template"))
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {}
+    for i, t in enumerate(tokens):
+        key = t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))
+        vocab.setdefault(key, i)
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    splits = _PRE_SPLITS.get(pre, [_GPT2_SPLIT])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int]) -> HFTokenizer:
+    """SentencePiece-BPE vocabularies (Llama 2, TinyLlama, Mistral) list scores but no merges;
+    the merges are recovered from the vocabulary: every split of a token into two tokens, ranked
+    by the merged token's score (what SentencePiece's BPE does at encode time)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for t, score in zip(tokens, scores):
+        for k in range(1, len(t)):
+            left, right = t[:k], t[k:]
+            if left in vocab and right in vocab:
+                merges.append((score, vocab[left], vocab[right], left, right))
+    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
+    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk,
+                                 fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return tok
+
+
+def _read_json(path: str) -> dict:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok

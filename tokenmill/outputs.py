@@ -1,0 +1,54 @@
+"""Results handed back to users: vLLM's `RequestOutput` / `CompletionOutput` shapes."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+# One position: token id -> Logprob (the sampled token plus the top-k alternatives).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timings (seconds, `time.monotonic`) so users see why a request was slow."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # What this output added since the previous RequestOutput of its request (for streaming).
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None

@@ -1,0 +1,1 @@
+"""Executes a SchedulerOutput on the device: inputs, one forward pass, sampling."""

@@ -1,0 +1,35 @@
+"""KV cache allocation: how many blocks fit the memory budget, and one tensor holding them all."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill.models.arch import ArchConfig
+
+
+def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+
+
+def num_blocks_for(arch: ArchConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   kv_cache_memory: int | None, gpu_memory_utilization: float) -> tuple[int, int]:
+    """(num_blocks, budget_bytes). CPU: the explicit byte budget. CUDA: what is left of
+    `gpu_memory_utilization` of the card once the weights are loaded."""
+    if kv_cache_memory is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            kv_cache_memory = int(free - total * (1.0 - gpu_memory_utilization))
+        else:
+            kv_cache_memory = 2 << 30
+    num = kv_cache_memory // bytes_per_block(arch, block_size, dtype)
+    if num < 1:
+        raise ValueError(f"KV cache budget of {kv_cache_memory} bytes holds no {block_size}-token block "
+                         f"(one needs {bytes_per_block(arch, block_size, dtype)} bytes); raise kv_cache_memory "
+                         "or gpu_memory_utilization.")
+    return int(num), int(kv_cache_memory)
+
+
+def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): [0] keys, [1] values."""
+    return torch.zeros(2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
+                       dtype=dtype, device=device)

@@ -1,0 +1,147 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model once, samples, and hands
+back plain Python ints (one device-to-host copy per step).
+
+It keeps per-request sampling state (params, tokens so far, seeded generator) between steps,
+registered by the engine with `add_request` and dropped with `remove_request`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
+from tokenmill.models.llama import CausalLM
+from tokenmill.runner import kv_cache
+from tokenmill.sampling.sampler import Sampler, SamplingRow
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class _ReqState:
+    params: SamplingParams
+    token_ids: list[int]
+    prompt_len: int
+    eos_ids: list[int]
+    generator: torch.Generator | None
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.cache = kv_cache.allocate(model.cfg, num_blocks, block_size, dtype, device)
+        for i, attn in enumerate(model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.cache[0, i], self.cache[1, i]
+        self.sampler = Sampler()
+        self.states: dict[str, _ReqState] = {}
+
+    # ---------------------------------------------------------------- request state
+    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_ids: set[int]) -> None:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        self.states[req_id] = _ReqState(params, list(prompt_token_ids), len(prompt_token_ids),
+                                        sorted(eos_ids), gen)
+
+    def remove_request(self, req_id: str) -> None:
+        self.states.pop(req_id, None)
+
+    # ---------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        input_ids, positions, meta, sample_idx, sample_ids = self._prepare(sched)
+        with forward_context(meta):
+            hidden = self.model(input_ids, positions)
+        out = RunnerOutput()
+        if not sample_ids:
+            return out
+        logits = self.model.compute_logits(hidden[sample_idx])
+        rows = [self._row(req_id) for req_id in sample_ids]
+        result = self.sampler(logits, rows)
+        tokens = result.token_ids.tolist()
+        for req_id, tok in zip(sample_ids, tokens):
+            out.sampled[req_id] = tok
+            self.states[req_id].token_ids.append(tok)
+        if result.logprobs is not None:
+            self._collect_logprobs(result, sample_ids, out)
+        return out
+
+    def _row(self, req_id: str) -> SamplingRow:
+        st = self.states[req_id]
+        p = st.params
+        banned = []
+        if len(st.token_ids) - st.prompt_len < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_ids)
+        return SamplingRow(p, st.token_ids, st.prompt_len, st.generator, banned)
+
+    def _collect_logprobs(self, result, sample_ids: list[str], out: RunnerOutput) -> None:
+        chosen = result.logprobs.tolist()
+        ranks = result.ranks.tolist()
+        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+        for i, req_id in enumerate(sample_ids):
+            k = self.states[req_id].params.logprobs
+            if k is None:
+                continue
+            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
+            out.logprobs[req_id] = (chosen[i], ranks[i], top)
+
+    def _prepare(self, sched: SchedulerOutput):
+        """Flat ragged batch: every scheduled request's tokens back to back.
+
+        slot(t) = block_table[t // block_size] * block_size + t % block_size
+        """
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_idx: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[tuple[int, int, int, list[int]]] = []
+        sample_idx: list[int] = []
+        sample_ids: list[str] = []
+        for s in sched.scheduled:
+            q_start = len(input_ids)
+            n = len(s.token_ids)
+            input_ids.extend(s.token_ids)
+            pos = range(s.start_pos, s.start_pos + n)
+            positions.extend(pos)
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in pos)
+            ctx_len = s.start_pos + n
+            nb = -(-ctx_len // bs)
+            if n == 1 and s.start_pos > 0:
+                decode_idx.append(q_start)
+                decode_tables.append(s.block_table[:nb])
+                decode_lens.append(ctx_len)
+            else:
+                prefills.append((q_start, n, s.start_pos, s.block_table[:nb]))
+            if s.sample:
+                sample_idx.append(q_start + n - 1)
+                sample_ids.append(s.req_id)
+
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
+        if decode_idx:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
+                                                    dtype=torch.long, device=dev)
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        for q_start, n, start, table in prefills:
+            seg = PrefillSegment(q_start, q_start + n)
+            if start > 0:  # earlier chunks are in the cache: attend over the whole context
+                seg.block_table = torch.tensor(table, dtype=torch.long, device=dev)
+                q_pos = torch.arange(start, start + n, device=dev)
+                seg.mask = torch.arange(len(table) * bs, device=dev)[None, :] <= q_pos[:, None]
+            meta.prefills.append(seg)
+        return (torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(sample_idx, dtype=torch.long, device=dev), sample_ids)

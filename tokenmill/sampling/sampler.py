@@ -1,0 +1,122 @@
+"""Batched sampler: one call per step for every request that samples, each with its own params.
+
+Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly from p
+and lets a seeded request take its noise from its own generator: its output depends on its seed
+alone, not on whatever else shares the batch. Logprobs are those of the model's raw distribution
+(before penalties and temperature), as in vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    token_ids: list[int]        # prompt + output so far (for penalties)
+    prompt_len: int
+    generator: torch.Generator | None
+    banned: list[int]           # token ids that may not be sampled now (EOS before min_tokens)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor                    # (N,)
+    logprobs: torch.Tensor | None = None       # (N,) logprob of the sampled token
+    ranks: torch.Tensor | None = None          # (N,) its rank, 1 = most likely
+    top_ids: torch.Tensor | None = None        # (N, K)
+    top_logprobs: torch.Tensor | None = None   # (N, K)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: (N, V) float32, one row per entry of `rows`."""
+        device = logits.device
+        max_k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_k is not None else None
+
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.banned:
+                logits[i, r.banned] = float("-inf")
+        if any(r.params.needs_penalties for r in rows):
+            logits = _apply_penalties(logits, rows)
+
+        greedy = torch.tensor([r.params.greedy for r in rows], device=device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, rows)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        out = SamplerOutput(token_ids=tokens)
+        if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+            out.logprobs = chosen
+            out.ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
+            if max_k > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(max_k, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
+                             device=device)
+        logits = logits / temps[:, None]
+        if any(r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows):
+            logits = _top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        if any(r.params.min_p > 0 for r in rows):
+            min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        q = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            q[unseeded] = torch.empty((len(unseeded), q.shape[1]), device=device).exponential_()
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                q[i].exponential_(generator=r.generator)
+        return (probs / q).argmax(dim=-1)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over prompt + output (divide positive logits, multiply negative ones, as
+    in the CTRL paper and HF); frequency / presence penalties over output tokens (OpenAI)."""
+    n, vocab = logits.shape
+    device = logits.device
+    seen = torch.zeros((n, vocab), dtype=torch.bool, device=device)
+    counts = torch.zeros((n, vocab), dtype=logits.dtype, device=device)
+    for i, r in enumerate(rows):
+        if not r.params.needs_penalties:
+            continue
+        ids = torch.tensor(r.token_ids, dtype=torch.long, device=device)
+        seen[i, ids] = True
+        out_ids = ids[r.prompt_len:]
+        counts[i].index_add_(0, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
+    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
+    pres = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalized, logits)
+    return logits - freq * counts - pres * (counts > 0).to(logits.dtype)
+
+
+def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask everything outside each row's top-k and its top-p nucleus (the smallest set whose
+    probability reaches p; the most likely token always stays)."""
+    device = logits.device
+    vocab = logits.shape[1]
+    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+    p = torch.tensor([r.params.top_p for r in rows], device=device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=device)[None, :]
+    drop = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = drop | (mass_before >= p[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
