@@ -1,0 +1,104 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct, float32 path)."""
+import torch
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short story about a robot who learns to paint:",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "The three primary colors are",
+    "대한민국의 수도는",
+    "안녕하세요. 오늘은 날씨가",
+    "def quicksort(arr):\n",
+    "import numpy as np\n\n# compute the mean of a list\ndef mean(xs):",
+]
+
+
+def test_greedy_matches_transformers_token_for_token(llm, hf_default_model):
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=32, min_tokens=32)
+    outs = llm.generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            ref = hf_default_model.generate(ids, do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                                            pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].token_ids == ref, prompt
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_batch_invariance_16_mixed_prompts(llm):
+    tok = llm.get_tokenizer()
+    base = PROMPTS + [p * k for k, p in zip(range(2, 10), PROMPTS)]
+    prompts = [tok.encode(p)[: 8 + 37 * i % 300] for i, p in enumerate(base)]
+    assert len(prompts) == 16 and len({len(p) for p in prompts}) > 8
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert batched == alone
+
+
+def test_overflowing_kv_cache_preempts_and_still_answers_correctly(default_model):
+    # 40 blocks of 16 tokens; 12 requests of ~120 prompt + 48 output tokens need ~130 blocks at once
+    llm = LLM(default_model, dtype="float32", kv_cache_memory=40 * 737280, max_num_batched_tokens=256)
+    engine = llm.engine
+    assert engine.block_manager.num_blocks == 40
+    tok = llm.get_tokenizer()
+    text = " ".join(PROMPTS)
+    prompts = [tok.encode(f"{i}: {text}")[: 100 + 3 * i] for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+    for i, p in enumerate(prompts):
+        engine.add_request(f"big-{i}", p, params)
+    results = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.outputs[0].token_ids
+        engine.block_manager.check_integrity(list(engine.scheduler.requests.values()))
+    assert engine.scheduler.num_preemptions > 0
+    assert [results[f"big-{i}"] for i in range(12)] == expected
+    assert engine.block_manager.num_free_blocks == 40
+
+
+def test_n_seed_stop_and_logprobs(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=123, max_tokens=12, logprobs=3)
+    a = llm.generate(["Once upon a time"], params)[0]
+    b = llm.generate(["Once upon a time"], params)[0]
+    assert len(a.outputs) == 3 and [o.index for o in a.outputs] == [0, 1, 2]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert len({tuple(o.token_ids) for o in a.outputs}) > 1
+    for o in a.outputs:
+        assert len(o.logprobs) == len(o.token_ids)
+        for tid, pos in zip(o.token_ids, o.logprobs):
+            assert tid in pos and len(pos) >= 3 and pos[tid].logprob <= 0
+    greedy = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20))[0]
+    text = greedy.outputs[0].text
+    cut = text.strip()[:4]
+    stopped = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20, stop=[cut]))[0]
+    assert stopped.outputs[0].finish_reason == "stop" and stopped.outputs[0].stop_reason == cut
+    assert cut not in stopped.outputs[0].text and text.startswith(stopped.outputs[0].text)
+
+
+def test_chat_answers_sensibly(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=30))[0]
+    assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("to-abort", "Tell me a long story about dragons.",
+                       SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < free
+    final = engine.abort_request("to-abort")
+    assert final.finished and final.outputs[0].finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks == free and not engine.has_unfinished_requests()

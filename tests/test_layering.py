@@ -1,0 +1,32 @@
+"""Dependency direction (DESIGN.md): core/ never imports torch; server/ never imports torch,
+runner/, layers/ or models/. Checked on the source with `ast`, so a violation cannot hide."""
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parent.parent / "tokenmill"
+RULES = {
+    "core": ("torch", "tokenmill.runner", "tokenmill.layers", "tokenmill.models", "tokenmill.engine"),
+    "server": ("torch", "tokenmill.runner", "tokenmill.layers", "tokenmill.models"),
+}
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_forbidden_imports(package):
+    files = list((PKG / package).glob("**/*.py"))
+    if package == "core":
+        assert files, "core/ must exist"
+    for f in files:
+        for name in imports(f):
+            assert not name.startswith(RULES[package]), f"{f.relative_to(PKG)} imports {name}"

@@ -1,0 +1,53 @@
+"""Tokenizer and chat template built from GGUF metadata equal Hugging Face's on the same file."""
+import pytest
+
+from tokenmill.models.gguf_loader import GGUFFile
+from tokenmill.models.tokenizer import Tokenizer
+
+CORPUS = [
+    "Hello, world! The year 2024 had 366 days; π ≈ 3.14159.",
+    "안녕하세요, 세계! 한국어 문장을 토큰으로 나눕니다.",
+    "你好，世界。这是一个中文句子，用来测试分词器。",
+    "Emoji: 😀🎉👍🏽 and a family 👨‍👩‍👧‍👦, flags 🇰🇷🇫🇷.",
+    "def fib(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "   leading spaces,\ttabs\t\tand\n\n\n   newlines   \n",
+    "I'm sure they'll say we've DONE it, haven't we?",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>\n",
+    "Ünïcödé façade — naïve café «quotes» ‘single’",
+    "x" * 50 + " " * 17 + "y",
+]
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi 😀"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "한국어로 말해 줘"}],
+]
+
+
+@pytest.fixture(scope="module")
+def ours(default_model):
+    return Tokenizer.from_gguf(GGUFFile(default_model).meta)
+
+
+@pytest.mark.parametrize("text", CORPUS)
+def test_ids_equal_hugging_face(ours, hf_default_tokenizer, text):
+    ids = ours.encode(text)
+    assert ids == hf_default_tokenizer(text)["input_ids"]
+    assert ours.decode(ids, skip_special_tokens=False) == hf_default_tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_equals_apply_chat_template(ours, hf_default_tokenizer, conv, add_generation_prompt):
+    expected = hf_default_tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours.apply_chat_template(conv, add_generation_prompt=add_generation_prompt) == expected
+
+
+def test_chat_template_is_sandboxed(ours):
+    evil = Tokenizer(ours.tok, None, None, set(), "{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(ValueError, match="chat template"):
+        evil.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_special_tokens_of_the_default_model(ours):
+    assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == {2}
