@@ -27,7 +27,7 @@ $(TEST_STAMP): $(STAMP)
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/tokenmill chat
+	$(BIN)/tokenmill serve
 
 chat: $(STAMP)
 	$(BIN)/tokenmill chat

@@ -22,7 +22,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                 p.add_argument(flag, action="store_true", help=help_text)
                 continue
             kind = _scalar_type(f.type)
-            p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+            suffix = "" if "default" in help_text else f" (default: {default})"
+            p.add_argument(flag, type=kind, default=default, help=help_text + suffix)
 
 
 def _scalar_type(annotation) -> type:
@@ -108,6 +109,38 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """OpenAI-compatible HTTP server: engine on its own thread, uvicorn on the main one."""
+    import os
+
+    import uvicorn
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.api import ServerConfig, build_app
+    from tokenmill.server.metrics import Metrics
+
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}.")
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get("TOKENMILL_API_KEY", "").split(",") if k.strip()]
+    engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
+    names = args.served_model_name or [os.path.basename(engine.model_path)]
+    metrics = Metrics(names[0])
+    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len)
+    app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys), metrics)
+    print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
+          f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}"
+          f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                    timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+    finally:
+        client.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description="Fast LLM inference with vLLM's API.")
     p.add_argument("--log-level", default="INFO")
@@ -125,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     _add_engine_args(c)
     c.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use for the model (default: the model file name)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
+    s.add_argument("--max-queue-len", type=int, default=1024,
+                   help="waiting requests beyond which new ones get 503 (default: 1024)")
+    s.add_argument("--graceful-shutdown-timeout", type=int, default=30,
+                   help="seconds SIGTERM waits for running requests to finish (default: 30)")
+    s.add_argument("--uvicorn-log-level", default="warning")
+    _add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
     return p
 
 

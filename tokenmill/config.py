@@ -22,7 +22,8 @@ class ModelConfig:
     max_model_len: int | None = field(default=None, metadata=_help(
         "longest prompt + output in tokens (default: the model's context length)"))
     device: str = field(default="auto", metadata=_help("auto | cpu | cuda | cuda:N"))
-    seed: int = field(default=0, metadata=_help("seed for requests that set none"))
+    seed: int = field(default=0, metadata=_help(
+        "global random seed: unseeded sampling is reproducible from one engine start to the next"))
     skip_tokenizer_init: bool = field(default=False, metadata=_help(
         "load no tokenizer; prompts must then be token ids"))
 

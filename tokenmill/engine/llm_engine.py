@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +29,20 @@ log = logging.getLogger("tokenmill")
 
 
 @dataclass
+class StepStats:
+    """What one step did, for metrics: gauges after the step and the latency samples it produced."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0          # prompts that finished prefilling this step
+    num_generation_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+
+
+@dataclass
 class _Parent:
     req_id: str
     prompt: str | None
@@ -44,6 +58,7 @@ class LLMEngine:
         self.config = config
         self.model_path = mc.model or default_model_path()
         self.device = resolve_device(mc.device)
+        torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
@@ -63,8 +78,8 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
-        self._seed_counter = mc.seed
         self.kv_capacity_tokens = num_blocks * cc.block_size
+        self.last_stats = StepStats()
         log.info("loaded %s (%s, %d layers) on %s in %.1fs; KV cache %d blocks x %d = %d tokens (%.2f GiB)",
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
                  num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30)
@@ -151,16 +166,28 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         result = self.runner.execute(sched)
         advanced = self.scheduler.update(sched, result)
-        return self._process(advanced)
+        self.last_stats = StepStats(num_preemptions=len(sched.preempted))
+        outputs = self._process(advanced)
+        st = self.last_stats
+        st.num_running, st.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        st.kv_cache_usage = self.block_manager.usage
+        return outputs
 
     def _process(self, advanced: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
         touched: dict[str, tuple[_Parent, set[int]]] = {}
+        st = self.last_stats
         for req in advanced:
             parent, i = self._child_parent[req.req_id]
             m = req.metrics
-            m.first_token_time = m.first_token_time or now
+            if m.first_token_time is None:
+                m.first_token_time = now
+                st.ttft.append(now - m.arrival_time)
+                st.num_prompt_tokens += req.prompt_len
+            else:
+                st.itl.append(now - m.last_token_time)
             m.last_token_time = now
+            st.num_generation_tokens += 1
             detok = parent.detoks[i]
             if detok is not None:
                 stop = detok.add_tokens([req.token_ids[-1]])
@@ -169,6 +196,7 @@ class LLMEngine:
                     self.scheduler.finish_request(req.req_id, "stop")
             if req.is_finished:
                 self._finish_child(parent, i)
+                st.finished.append(req)
             touched.setdefault(parent.req_id, (parent, set()))[1].add(i)
         return [self._request_output(p, idx) for p, idx in touched.values()]
 

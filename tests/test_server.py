@@ -1,0 +1,316 @@
+"""The real server on a loopback port, driven by the official `openai` client (and raw HTTP
+where a client library would hide what is being checked)."""
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+KEY = "sk-test-key"
+MODEL = "smollm2"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str, env_key: str | None = None):
+    port = free_port()
+    env = dict(os.environ)
+    if env_key:
+        env["TOKENMILL_API_KEY"] = env_key
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", "--port",
+                             str(port), "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory",
+                             "512MiB", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stderr.read().decode())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, base = start_server("--api-key", KEY)
+    yield base
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def headers():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", headers=headers()).text
+    total = 0.0
+    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M):
+        total += float(m.group(2))
+    return total
+
+
+GREEDY = dict(temperature=0, max_tokens=24)
+
+
+# ---------------------------------------------------------------- completions and chat
+def test_completion_stream_equals_non_stream_with_usage(client):
+    full = client.completions.create(model=MODEL, prompt="The capital of France is", **GREEDY)
+    assert full.usage.completion_tokens == 24 - 0 or full.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and "Paris" in text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_chat_stream_equals_non_stream_and_reports_timings(client):
+    msgs = [{"role": "user", "content": "Name three fruits."}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    timings = full.model_extra["timings"]
+    assert timings["ttft"] > 0 and timings["queue_time"] >= 0 and timings["cached_prompt_tokens"] == 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_strings_never_leak(client):
+    base = client.completions.create(model=MODEL, prompt="Count: one, two, three, four,", **GREEDY).choices[0].text
+    stop = base.strip().split()[1][:3]  # a piece from the middle of the greedy text
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(model=MODEL, prompt="Count: one, two, three, four,", stop=[stop],
+                                                    stream=True, **GREEDY))
+            text = "".join(c.choices[0].text for c in chunks)
+            reason = chunks[-1].choices[0].finish_reason
+        else:
+            r = client.completions.create(model=MODEL, prompt="Count: one, two, three, four,", stop=[stop], **GREEDY)
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert stop not in text and reason == "stop" and base.startswith(text)
+
+
+@pytest.mark.parametrize("content", ["한국어로 자기소개를 해 주세요.", "Reply with three emoji about the sea 🌊"])
+def test_korean_and_emoji_streams_are_clean(client, content):
+    msgs = [{"role": "user", "content": content}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40, stream=True))
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == full.choices[0].message.content
+    assert "\ufffd" not in full.choices[0].message.content
+
+
+def test_n_and_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", n=2, temperature=1.0, seed=7,
+                                  max_tokens=8, logprobs=2)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    for c in r.choices:
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+        assert all(x <= 0 for x in lp.token_logprobs) and all(len(t) == 2 for t in lp.top_logprobs)
+    assert r.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          logprobs=True, top_logprobs=3, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.logprob - 1e-6 for t in content)
+
+
+def test_tokenize_detokenize_and_models(server, client):
+    r = httpx.post(server + "/tokenize", json={"prompt": "Hello world"}, headers=headers()).json()
+    assert r["count"] == len(r["tokens"]) > 0
+    back = httpx.post(server + "/detokenize", json={"tokens": r["tokens"]}, headers=headers()).json()
+    assert back["prompt"] == "Hello world"
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+# ---------------------------------------------------------------- concurrency
+def test_32_concurrent_streams_equal_their_solo_results(server, client):
+    prompts = [f"Write one sentence about the number {i}." for i in range(32)]
+
+    def solo(p):
+        return client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=12).choices[0].text
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+        async def one(p):
+            s = await ac.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=12, stream=True)
+            return "".join([c.choices[0].text async for c in s if c.choices])
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    together = asyncio.run(run())
+    assert together == [solo(p) for p in prompts]
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server, client):
+    idle_usage = metric(server, "tokenmill:kv_cache_usage_perc")
+    aborts = metric(server, 'tokenmill:request_success_total')
+    with httpx.Client(timeout=60) as h:
+        with h.stream("POST", server + "/v1/completions", headers=headers(),
+                      json={"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000,
+                            "ignore_eos": True, "stream": True}) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    got += 1
+                if got >= 3:
+                    break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (metric(server, "tokenmill:num_requests_running") != 0
+                                           or metric(server, "tokenmill:kv_cache_usage_perc") != idle_usage):
+        time.sleep(0.2)
+    assert metric(server, "tokenmill:num_requests_running") == 0
+    assert metric(server, "tokenmill:kv_cache_usage_perc") == idle_usage
+    t0 = time.monotonic()
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert r.choices[0].text is not None and time.monotonic() - t0 < 10
+
+
+def test_non_streaming_disconnect_also_aborts(server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", headers=headers(), timeout=1.5,
+                   json={"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True})
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and metric(server, "tokenmill:num_requests_running") != 0:
+        time.sleep(0.2)
+    assert metric(server, "tokenmill:num_requests_running") == 0
+
+
+# ---------------------------------------------------------------- errors
+BAD = [
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x " * 9000}, 400, None),
+    ("/v1/completions", {"prompt": "hello", "max_tokens": 9000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": 12}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input_gets_openai_error_and_server_stays_up(server, client, path, body, status, param):
+    body = {"model": MODEL, **body}
+    r = httpx.post(server + path, json=body, headers=headers(), timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["code"] == status
+    if param:
+        assert err["param"] == param, err
+    if "9000" in json.dumps(body) or "x x" in json.dumps(body)[:20]:
+        assert re.search(r"\d+", err["message"])  # the numbers are named
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
+def test_context_overflow_message_names_the_numbers(server):
+    r = httpx.post(server + "/v1/completions", headers=headers(), json={"model": MODEL, "prompt": "hello",
+                                                                         "max_tokens": 9000})
+    assert r.status_code == 400 and "9000" in r.json()["error"]["message"] and "8192" in r.json()["error"]["message"]
+
+
+def test_malformed_json_and_oversized_body(server):
+    r = httpx.post(server + "/v1/completions", content=b"{not json", headers={**headers(), "content-type": "application/json"})
+    assert r.status_code in (400, 422) and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(server + "/v1/completions", content=b"x" * (9 << 20), headers={**headers(), "content-type": "application/json"})
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    assert httpx.get(server + "/health").status_code == 200
+
+
+def test_auth(server):
+    assert httpx.get(server + "/health").status_code == 200
+    for h in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(server + "/v1/models", headers=h)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    bad = openai.OpenAI(base_url=server + "/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+# ---------------------------------------------------------------- metrics
+def test_metrics_move(server, client):
+    names = ["tokenmill:time_to_first_token_seconds_count", "tokenmill:inter_token_latency_seconds_count",
+             "tokenmill:e2e_request_latency_seconds_count", "tokenmill:request_queue_time_seconds_count",
+             "tokenmill:prompt_tokens_total", "tokenmill:generation_tokens_total", "tokenmill:request_success_total"]
+    before = {n: metric(server, n) for n in names}
+    client.completions.create(model=MODEL, prompt="Hello there", max_tokens=5, temperature=0)
+    after = {n: metric(server, n) for n in names}
+    assert all(after[n] > before[n] for n in names), (before, after)
+    text = httpx.get(server + "/metrics", headers=headers()).text
+    for gauge in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting", "tokenmill:kv_cache_usage_perc",
+                  "tokenmill:num_preemptions_total"):
+        assert gauge in text
+
+
+# ---------------------------------------------------------------- backpressure and shutdown
+def test_queue_limit_gives_503_and_sigterm_drains():
+    proc, base = start_server("--max-queue-len", "1", "--max-num-seqs", "1", env_key="k1,k2")
+    try:
+        h = {"Authorization": "Bearer k2"}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                reqs = [c.post(base + "/v1/completions", headers=h,
+                               json={"model": MODEL, "prompt": f"Story {i}:", "max_tokens": 30, "ignore_eos": True})
+                        for i in range(8)]
+                return await asyncio.gather(*reqs)
+
+        rs = asyncio.run(burst())
+        codes = [r.status_code for r in rs]
+        assert 503 in codes and 200 in codes, codes
+        r503 = next(r for r in rs if r.status_code == 503)
+        assert "max-queue-len" in r503.json()["error"]["message"]
+
+        # SIGTERM while a request runs: it still completes
+        async def drain():
+            async with httpx.AsyncClient(timeout=120) as c:
+                task = asyncio.ensure_future(c.post(base + "/v1/completions", headers=h,
+                                                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 40,
+                                                          "ignore_eos": True}))
+                await asyncio.sleep(1.0)
+                proc.send_signal(signal.SIGTERM)
+                return await task
+
+        r = asyncio.run(drain())
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+        # uvicorn re-raises SIGTERM after its graceful shutdown, so the exit is by that signal
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

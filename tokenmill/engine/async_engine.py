@@ -1,0 +1,175 @@
+"""AsyncEngine: the LLMEngine on its own thread behind an asyncio interface (the EngineClient).
+
+Only the engine thread touches the engine. The event loop sends it commands (add, abort) through
+a queue and receives RequestOutputs through per-request asyncio queues, so HTTP handling never
+stalls a step and a step never stalls HTTP. PyTorch releases the GIL inside its kernels, which is
+what lets the event loop breathe while a step runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from typing import AsyncIterator, Callable, Protocol
+
+from tokenmill.engine.llm_engine import LLMEngine, StepStats
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+log = logging.getLogger("tokenmill")
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue-len: the server answers 503 instead of queueing."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineClient(Protocol):
+    """What the server needs of an engine, wherever the engine runs."""
+    tokenizer: object
+    max_model_len: int
+
+    def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued for the engine thread plus the scheduler's queue."""
+        return self._pending_adds + self._engine_waiting
+
+    def abort(self, req_id: str) -> None: ...
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, stat_logger: Callable[[StepStats], None] | None = None,
+                 max_queue_len: int | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.stat_logger = stat_logger
+        self.max_queue_len = max_queue_len
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._dead: BaseException | None = None
+        self._engine_waiting = 0  # the scheduler's waiting queue as of the engine thread's last look
+        self._pending_adds = 0    # submitted by the event loop, not yet taken by the engine thread
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- event-loop side
+    async def generate(self, req_id: str, prompt: str | list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine has stopped after an error: {self._dead}")
+        with self._lock:
+            waiting = self.num_waiting
+            if self.max_queue_len is not None and waiting >= self.max_queue_len:
+                raise QueueFullError(f"the server is at capacity: {waiting} requests are already waiting "
+                                     f"(--max-queue-len {self.max_queue_len}); retry later.")
+            self._pending_adds += 1
+        loop = asyncio.get_running_loop()
+        out_q: asyncio.Queue = asyncio.Queue()
+        added: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("add", req_id, prompt, params, added, (loop, out_q)))
+        self._wake.set()
+        await asyncio.wrap_future(added)  # raises the engine's ValueError for a bad request
+        finished = False
+        try:
+            while True:
+                item = await out_q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(req_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet running: queued for the engine thread plus the scheduler's queue."""
+        return self._pending_adds + self._engine_waiting
+
+    def abort(self, req_id: str) -> None:
+        self._cmds.put(("abort", req_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def is_idle(self) -> bool:
+        return not self._streams and self._cmds.empty()
+
+    # ---------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopped:
+            self._drain_commands()
+            if not engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - a broken step must fail requests, not hang them
+                log.exception("engine step failed")
+                self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                self._dead = e
+                return
+            self._engine_waiting = len(engine.scheduler.waiting)
+            for out in outputs:
+                target = self._streams.get(out.request_id)
+                if target is None:
+                    continue
+                loop, out_q = target
+                loop.call_soon_threadsafe(out_q.put_nowait, out)
+                if out.finished:
+                    del self._streams[out.request_id]
+            if self.stat_logger is not None:
+                self.stat_logger(engine.last_stats)
+        self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, req_id, prompt, params, added, target = cmd
+                try:
+                    self.engine.add_request(req_id, prompt, params)
+                except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
+                    with self._lock:
+                        self._pending_adds -= 1
+                    added.set_exception(e)
+                    continue
+                self._streams[req_id] = target
+                with self._lock:
+                    self._pending_adds -= 1
+                    self._engine_waiting = len(self.engine.scheduler.waiting)
+                added.set_result(None)
+            else:
+                self.engine.abort_request(cmd[1])
+                self._streams.pop(cmd[1], None)
+                if self.stat_logger is not None:
+                    stats = StepStats(num_running=len(self.engine.scheduler.running),
+                                      num_waiting=len(self.engine.scheduler.waiting),
+                                      kv_cache_usage=self.engine.block_manager.usage)
+                    self.stat_logger(stats)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for loop, out_q in self._streams.values():
+            loop.call_soon_threadsafe(out_q.put_nowait, err)
+        self._streams.clear()

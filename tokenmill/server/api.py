@@ -1,0 +1,445 @@
+"""FastAPI application: OpenAI-compatible routes over an EngineClient.
+
+Every request is validated before it reaches the engine; every failure becomes an OpenAI-style
+error body with the right status; a client that goes away aborts its request in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenmill.engine.async_engine import EngineDeadError, QueueFullError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.server import protocol as P
+from tokenmill.server.metrics import Metrics
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    api_keys: list[str]
+    max_request_bytes: int = 8 << 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    body = P.ErrorResponse(error=P.ErrorBody(message=message, type=type_, param=param, code=status))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt", "messages", "max_completion_tokens"}
+
+
+def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
+    app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None)
+    model_name = config.served_model_names[0]
+
+    # ------------------------------------------------------------ cross-cutting
+    app.add_middleware(_Guard, api_keys=set(config.api_keys), max_bytes=config.max_request_bytes)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"request body is not valid JSON: {first.get('msg')}", "invalid_request_error")
+        msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
+                        for er in errs[:3])
+        return error_response(400, msg, "invalid_request_error", loc[0] if loc else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):
+        return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in config.served_model_names:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves "
+                                f"{config.served_model_names}", "not_found_error", "model")
+
+    def tokenizer():
+        if client.tokenizer is None:
+            raise APIError(400, "this server runs without a tokenizer; send token ids")
+        return client.tokenizer
+
+    # ------------------------------------------------------------ simple routes
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "tokenmill",
+                                            "max_model_len": client.max_model_len} for n in config.served_model_names]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(req: P.TokenizeRequest):
+        check_model(req.model)
+        tok = tokenizer()
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        if req.messages is not None:
+            text = _render_chat(tok, req.messages, req.add_generation_prompt, None, None)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": client.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: P.DetokenizeRequest):
+        check_model(req.model)
+        tok = tokenizer()
+        vocab = tok.vocab_size
+        if any(t < 0 or t >= vocab for t in req.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
+    # ------------------------------------------------------------ completions
+    @app.post("/v1/completions")
+    async def completions(req: P.CompletionRequest, raw: Request):
+        check_model(req.model)
+        prompts = _completion_prompts(req.prompt)
+        params = _sampling_params(req, req.max_tokens, req.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams = [client.generate(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
+        firsts = await _start_all(streams, metrics)
+        if req.stream:
+            return _sse(_completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
+        finals = await _until_disconnected(raw, _collect_all(streams, firsts), metrics)
+        choices, usage, timings = [], _Usage(), None
+        for pi, (prompt, out) in enumerate(zip(prompts, finals)):
+            usage.add(out)
+            timings = timings or _timings(out)
+            for o in out.outputs:
+                text = (prompt if isinstance(prompt, str) else "") + o.text if req.echo else o.text
+                choices.append(P.CompletionChoice(index=pi * params.n + o.index, text=text,
+                                                  logprobs=_completion_logprobs(o, client, req.logprobs) if req.logprobs is not None else None,
+                                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+        return P.CompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(), timings=timings)
+
+    # ------------------------------------------------------------ chat
+    @app.post("/v1/chat/completions")
+    async def chat(req: P.ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        tok = tokenizer()
+        if not req.messages:
+            raise APIError(400, "messages must contain at least one message", param="messages")
+        text = _render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
+        ids = tok.encode(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, client.max_model_len - len(ids))
+        top = req.top_logprobs if req.top_logprobs is not None else 0
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        params = _sampling_params(req, max_tokens, top if req.logprobs else None)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = client.generate(rid, ids, params)
+        first = (await _start_all([stream], metrics))[0]
+        if req.stream:
+            return _sse(_chat_stream(rid, req, stream, first, model_name, client))
+        out = (await _until_disconnected(raw, _collect_all([stream], [first]), metrics))[0]
+        usage = _Usage()
+        usage.add(out)
+        choices = [P.ChatChoice(index=o.index, message=P.ChatResponseMessage(content=o.text),
+                                logprobs=_chat_logprobs(o, client, top) if req.logprobs else None,
+                                finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+        return P.ChatCompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(),
+                                        timings=_timings(out))
+
+    return app
+
+
+class _Guard:
+    """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from handlers):
+    API key on every route but /health, and a cap on the declared body size."""
+
+    def __init__(self, app, api_keys: set[str], max_bytes: int) -> None:
+        self.app, self.api_keys, self.max_bytes = app, api_keys, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_keys and scope["path"] != "/health":
+            auth = hdrs.get("authorization", "")
+            if not auth.startswith("Bearer ") or auth[7:].strip() not in self.api_keys:
+                resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                                      "authentication_error")
+                return await resp(scope, receive, send)
+        length = hdrs.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            resp = error_response(413, f"request body of {length} bytes exceeds the limit of {self.max_bytes} bytes",
+                                  "invalid_request_error")
+            return await resp(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+# ---------------------------------------------------------------- request -> engine
+def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, seed=req.seed, stop=req.stop,
+              stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise _bad_request(e) from None
+
+
+def _bad_request(e: ValueError) -> APIError:
+    msg = str(e)
+    first = msg.split(" ", 1)[0].strip("(),:")
+    return APIError(400, msg, param=first if first in _PARAM_NAMES else None)
+
+
+def _completion_prompts(prompt) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def _render_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs, tools) -> str:
+    allowed = {"system", "user", "assistant", "tool", "developer"}
+    conv = []
+    for i, m in enumerate(messages):
+        if m.role not in allowed:
+            raise APIError(400, f"messages[{i}].role {m.role!r} is not one of {sorted(allowed)}", param="messages")
+        content = m.content
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            if any(part.get("type") != "text" for part in content):
+                raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
+            content = "".join(part.get("text", "") for part in content)
+        conv.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+    try:
+        return tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
+                                       **(kwargs or {}))
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+async def _start_all(streams: list[AsyncIterator[RequestOutput]], metrics: Metrics) -> list[RequestOutput]:
+    """Submit every request at once and wait for each first output, so that bad input (prompt
+    too long, queue full) fails the HTTP call with a proper status before any byte is streamed."""
+    results = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return results
+    await _close(streams)
+    e = errors[0]
+    if isinstance(e, ValueError):
+        raise _bad_request(e)
+    if isinstance(e, QueueFullError):
+        raise APIError(503, str(e), "server_overloaded")
+    if isinstance(e, EngineDeadError):
+        raise APIError(503, str(e), "internal_error")
+    raise e
+
+
+async def _close(streams) -> None:
+    for s in streams:
+        await s.aclose()
+
+
+async def _collect_all(streams, firsts) -> list[RequestOutput]:
+    finals = []
+    for s, last in zip(streams, firsts):
+        while not last.finished:
+            last = await s.__anext__()
+        finals.append(last)
+    return finals
+
+
+async def _until_disconnected(raw: Request, coro, metrics: Metrics):
+    """Run `coro`; if the client goes away first, cancel it (its generators abort the requests)."""
+    task = asyncio.ensure_future(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.25)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            metrics.count_abort()
+            raise APIError(499, "client disconnected")
+
+
+# ---------------------------------------------------------------- responses
+class _Usage:
+    def __init__(self) -> None:
+        self.prompt = self.completion = self.cached = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.prompt += len(out.prompt_token_ids)
+        self.completion += sum(len(o.token_ids) for o in out.outputs)
+        self.cached += out.metrics.num_cached_tokens if out.metrics else 0
+
+    def model(self) -> P.Usage:
+        return P.Usage(prompt_tokens=self.prompt, completion_tokens=self.completion,
+                       total_tokens=self.prompt + self.completion,
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached))
+
+
+def _timings(out: RequestOutput) -> P.Timings | None:
+    m = out.metrics
+    if m is None:
+        return None
+    end = m.finished_time or m.last_token_time
+    ntok = max(len(o.token_ids) for o in out.outputs)
+    decode = None
+    if m.first_token_time is not None and end is not None and end > m.first_token_time and ntok > 1:
+        decode = (ntok - 1) / (end - m.first_token_time)
+    return P.Timings(queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
+                     ttft=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
+                     decode_tokens_per_s=decode, e2e=None if end is None else end - m.arrival_time,
+                     cached_prompt_tokens=m.num_cached_tokens, preemptions=m.num_preemptions)
+
+
+def _token_str(client, tid: int) -> str:
+    return client.tokenizer.decode([tid], skip_special_tokens=False) if client.tokenizer else str(tid)
+
+
+def _top(entry: dict, k: int) -> list:
+    """A position's top-k alternatives, best first (the sampled token is in `entry` even when it
+    ranks below k)."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= k), key=lambda kv: kv[1].rank)
+
+
+def _completion_logprobs(o, client, k: int, start: int = 0) -> dict:
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = 0
+    for tid, entry in zip(o.token_ids[start:], (o.logprobs or [])[start:]):
+        s = _token_str(client, tid)
+        tokens.append(s)
+        lps.append(entry[tid].logprob)
+        tops.append({_token_str(client, t): lp.logprob for t, lp in _top(entry, k)})
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _chat_logprobs(o, client, k: int, start: int = 0) -> dict:
+    content = []
+    for tid, entry in zip(o.token_ids[start:], (o.logprobs or [])[start:]):
+        s = _token_str(client, tid)
+        top = [{"token": (ts := _token_str(client, t)), "logprob": lp.logprob, "bytes": list(ts.encode())}
+               for t, lp in _top(entry, k)]
+        content.append({"token": s, "logprob": entry[tid].logprob, "bytes": list(s.encode()), "top_logprobs": top})
+    return {"content": content}
+
+
+def _sse(gen: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _completion_stream(rid, req, prompts, streams, firsts, params, model_name, client) -> AsyncIterator[str]:
+    created = int(time.time())
+    usage = _Usage()
+    sent_tokens: dict[int, int] = {}
+    try:
+        for pi, (s, first) in enumerate(zip(streams, firsts)):
+            out = first
+            if req.echo and isinstance(prompts[pi], str):
+                for i in range(params.n):
+                    yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                                 "choices": [{"index": pi * params.n + i, "text": prompts[pi], "logprobs": None,
+                                              "finish_reason": None}]})
+            while True:
+                for o in out.outputs:
+                    idx = pi * params.n + o.index
+                    start = sent_tokens.get(idx, 0)
+                    if not o.delta_text and o.finish_reason is None and len(o.token_ids) == start:
+                        continue
+                    choice = {"index": idx, "text": o.delta_text, "finish_reason": o.finish_reason,
+                              "stop_reason": o.stop_reason, "logprobs": None}
+                    if req.logprobs is not None:
+                        choice["logprobs"] = _completion_logprobs(o, client, req.logprobs, start)
+                    sent_tokens[idx] = len(o.token_ids)
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                             "choices": [choice]}
+                    if o.finish_reason is not None and out.finished:
+                        chunk["timings"] = _timings(out).model_dump()
+                    yield _data(chunk)
+                if out.finished:
+                    usage.add(out)
+                    break
+                out = await s.__anext__()
+        if req.stream_options and req.stream_options.include_usage:
+            yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                         "choices": [], "usage": usage.model().model_dump()})
+        yield "data: [DONE]\n\n"
+    finally:
+        await _close(streams)
+
+
+async def _chat_stream(rid, req, stream, first, model_name, client) -> AsyncIterator[str]:
+    created = int(time.time())
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
+    try:
+        out = first
+        n = len(out.outputs)
+        yield _data({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None} for i in range(n)]})
+        sent = [0] * n
+        while True:
+            for o in out.outputs:
+                if not o.delta_text and o.finish_reason is None and len(o.token_ids) == sent[o.index]:
+                    continue
+                choice = {"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                          "logprobs": _chat_logprobs(o, client, req.top_logprobs or 0, sent[o.index]) if req.logprobs else None,
+                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                sent[o.index] = len(o.token_ids)
+                chunk = {**base, "choices": [choice]}
+                if out.finished and o.finish_reason is not None:
+                    chunk["timings"] = _timings(out).model_dump()
+                yield _data(chunk)
+            if out.finished:
+                break
+            out = await stream.__anext__()
+        if req.stream_options and req.stream_options.include_usage:
+            usage = _Usage()
+            usage.add(out)
+            yield _data({**base, "choices": [], "usage": usage.model().model_dump()})
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()

@@ -1,0 +1,67 @@
+"""Prometheus metrics with vLLM's names (prefix `tokenmill:`), so existing dashboards work.
+
+One registry per server instance; the engine thread feeds it a StepStats after every step.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        p = "tokenmill:"
+        self.running = Gauge(p + "num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels, registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions (requests evicted to be recomputed)", labels, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", labels, registry=r)
+        self.success = Counter(p + "request_success", "Finished requests by finish reason",
+                               labels + ["finished_reason"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between consecutive tokens", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "Arrival to finish", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to first scheduled", labels,
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.labels = {"model_name": model_name}
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(**self.labels, finished_reason=reason)
+
+    def record(self, st) -> None:
+        """Called from the engine thread after each step with its StepStats."""
+        lb = self.labels
+        self.running.labels(**lb).set(st.num_running)
+        self.waiting.labels(**lb).set(st.num_waiting)
+        self.kv_usage.labels(**lb).set(st.kv_cache_usage)
+        if st.num_preemptions:
+            self.preemptions.labels(**lb).inc(st.num_preemptions)
+        if st.num_prompt_tokens:
+            self.prompt_tokens.labels(**lb).inc(st.num_prompt_tokens)
+        if st.num_generation_tokens:
+            self.generation_tokens.labels(**lb).inc(st.num_generation_tokens)
+        for v in st.ttft:
+            self.ttft.labels(**lb).observe(v)
+        for v in st.itl:
+            self.itl.labels(**lb).observe(v)
+        for req in st.finished:
+            m = req.metrics
+            self.success.labels(**lb, finished_reason=req.finish_reason or "stop").inc()
+            if m.finished_time is not None:
+                self.e2e.labels(**lb).observe(m.finished_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.queue.labels(**lb).observe(m.first_scheduled_time - m.arrival_time)
+
+    def count_abort(self, num: int = 1) -> None:
+        self.success.labels(**self.labels, finished_reason="abort").inc(num)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
