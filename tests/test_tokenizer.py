@@ -51,3 +51,45 @@ def test_chat_template_is_sandboxed(ours):
 
 def test_special_tokens_of_the_default_model(ours):
     assert ours.eos_token == "<|im_end|>" and ours.eos_token_ids == {2}
+
+
+def _write_sentencepiece_gguf(path: str) -> None:
+    """A small SentencePiece-style vocabulary (scores, byte fallback, no merges), as Llama 2 /
+    TinyLlama GGUF files carry it."""
+    import gguf
+    import numpy as np
+
+    pieces = {"▁"}
+    for w in ["hello", "world", "low", "lower", "newest", "wide", "the", "a"]:
+        s = "▁" + w
+        pieces |= {s[:i] for i in range(1, len(s) + 1)}
+        pieces |= {w[i:j] for i in range(len(w)) for j in range(i + 1, len(w) + 1)}
+    pieces = sorted(pieces, key=lambda p: (len(p), p))
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_sentencepiece_gguf_vocabulary_matches_hugging_face(tmp_path):
+    from transformers import AutoTokenizer
+
+    _write_sentencepiece_gguf(str(tmp_path / "spm.gguf"))
+    ours = Tokenizer.from_gguf(GGUFFile(str(tmp_path / "spm.gguf")).meta)
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in ["hello world", "the newest lower wide", "  hello  world ", "héllo wörld 한국", "a\nb", "xyz"]:
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"], text
+        assert ids[0] == 1  # BOS, as the file asks
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
 from tokenmill.models import chat_template
 
@@ -160,7 +160,9 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int])
     unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges], unk_token=unk,
                                  fuse_unk=True, byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    # as Hugging Face's fast Llama tokenizer: spaces become "▁", one is prepended unless the text
+    # already starts with one
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     return tok
