@@ -7,8 +7,16 @@ from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 
-def req(i: int, n: int = 1) -> Request:
-    return Request(f"r{i}", list(range(n)), SamplingParams(), set())
+def req(i: int, n: int = 1, tokens: list[int] | None = None) -> Request:
+    return Request(f"r{i}", tokens if tokens is not None else list(range(n)), SamplingParams(), set())
+
+
+def compute(bm: BlockManager, r: Request, num_tokens: int | None = None) -> None:
+    """What a step does: blocks for the tokens, then they count as computed and get cached."""
+    n = r.num_tokens if num_tokens is None else num_tokens
+    assert bm.allocate(r, n)
+    r.num_computed_tokens = n
+    bm.cache_full_blocks(r)
 
 
 def test_allocate_exact_ids_and_free_order():
@@ -25,10 +33,10 @@ def test_allocate_exact_ids_and_free_order():
     bm.check_integrity([a, b])
     bm.free(a)
     assert a.block_table == [] and bm.num_free_blocks == 7
-    # freed blocks are reused after the never-used ones, most recently freed last
+    # freed blocks holding nothing cacheable are handed out first, in table order
     c = req(2)
     assert bm.allocate(c, 4 * 7)
-    assert c.block_table == [4, 5, 6, 7, 3, 1, 0]
+    assert c.block_table == [0, 1, 3, 4, 5, 6, 7]
     bm.check_integrity([b, c])
 
 
@@ -41,7 +49,7 @@ def test_allocation_is_all_or_nothing():
 
 
 def test_shared_blocks_are_freed_by_the_last_holder():
-    bm = BlockManager(num_blocks=4, block_size=2)
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     a, b = req(0), req(1)
     assert bm.allocate(a, 4)
     bm.share(a, b, 2)
@@ -55,6 +63,87 @@ def test_shared_blocks_are_freed_by_the_last_holder():
     bm.check_integrity([])
 
 
+def test_prefix_hits_misses_and_partial_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = req(0, tokens=list(range(10)))           # 2 full blocks + 2 tokens
+    assert bm.find_cached_prefix(a) == []
+    compute(bm, a)
+    assert a.block_table == [0, 1, 2] and len(a.block_hashes) == 2   # the partial block is not cached
+    # same first 8 tokens, different tail: both full blocks hit
+    b = req(1, tokens=list(range(8)) + [99, 98, 97])
+    assert bm.find_cached_prefix(b) == [0, 1]
+    # diverging inside the second block: only the first hits
+    c = req(2, tokens=[0, 1, 2, 3, 4, 5, 77, 7, 8])
+    assert bm.find_cached_prefix(c) == [0]
+    # an exact repeat of 8 tokens: the last token must be computed, so only block 0 is reused
+    d = req(3, tokens=list(range(8)))
+    assert bm.find_cached_prefix(d) == [0]
+    # a different first block changes every later key, even with equal later tokens
+    e = req(4, tokens=[50, 51, 52, 53] + list(range(4, 12)))
+    assert bm.find_cached_prefix(e) == []
+    assert bm.num_hits == 4 * (2 + 1 + 1) and bm.num_queries == 10 + 11 + 9 + 8 + 12
+
+
+def test_shared_cached_blocks_refcounts_and_reuse_after_finish():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = req(0, tokens=list(range(9)))
+    compute(bm, a)
+    b = req(1, tokens=list(range(8)) + [42, 43])
+    hits = bm.find_cached_prefix(b)
+    assert hits == [0, 1]
+    assert bm.allocate(b, b.num_tokens, hits)
+    assert b.block_table[:2] == [0, 1] and bm.ref_counts[:2] == [2, 2]
+    b.num_computed_tokens = b.num_tokens
+    bm.cache_full_blocks(b)
+    bm.check_integrity([a, b])
+    bm.free(a)                                     # abort one holder: the shared blocks stay
+    assert bm.ref_counts[:2] == [1, 1]
+    bm.check_integrity([b])
+    bm.free(b)
+    bm.check_integrity([])
+    assert bm.num_free_blocks == 8
+    c = req(2, tokens=list(range(8)) + [5])        # finished requests' blocks still hit
+    assert bm.find_cached_prefix(c) == [0, 1]
+    assert bm.allocate(c, 9, [0, 1])
+    assert bm.num_free_blocks == 5
+    bm.check_integrity([c])
+
+
+def test_eviction_is_least_recently_freed_and_uncached_blocks_go_first():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = req(0, tokens=[1, 2, 3, 4])                # blocks 0, 1 cached
+    b = req(1, tokens=[5, 6, 7, 8])                # blocks 2, 3 cached
+    compute(bm, a)
+    compute(bm, b)
+    u = req(2, tokens=[9])                         # block 4, partial: never cached
+    compute(bm, u)
+    bm.free(a)
+    bm.free(b)
+    bm.free(u)
+    # order to hand out: uncached 4, never-used 5, then a's tail 1, a's head 0, b's tail 3, b's head 2
+    assert list(bm.free_blocks) == [4, 5, 1, 0, 3, 2]
+    x = req(3, tokens=[0] * 8)
+    assert bm.allocate(x, 6)                       # takes 4, 5, 1: evicts a's second block only
+    assert x.block_table == [4, 5, 1]
+    assert bm.find_cached_prefix(req(4, tokens=[1, 2, 3, 4, 0])) == [0]
+    assert bm.find_cached_prefix(req(5, tokens=[5, 6, 7, 8, 0])) == [2, 3]
+    bm.check_integrity([x])
+
+
+def test_taking_a_cached_free_block_counts_against_free_space():
+    bm = BlockManager(num_blocks=3, block_size=2)
+    a = req(0, tokens=[1, 2, 3, 4, 5])
+    compute(bm, a)
+    bm.free(a)                                     # 3 free, 2 of them cached
+    b = req(1, tokens=[1, 2, 3, 4, 6, 7, 8])
+    hits = bm.find_cached_prefix(b)
+    assert hits == [0, 1]
+    assert not bm.allocate(b, 8, hits)             # 2 reclaimed + 2 fresh > 3 free: refused, untouched
+    assert b.block_table == [] and bm.num_free_blocks == 3
+    assert bm.allocate(b, 6, hits)
+    bm.check_integrity([b])
+
+
 def test_integrity_check_catches_a_leak():
     bm = BlockManager(num_blocks=2, block_size=2)
     a = req(0)
@@ -64,25 +153,38 @@ def test_integrity_check_catches_a_leak():
         bm.check_integrity([a])
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["alloc", "free", "share"]), st.integers(0, 5), st.integers(1, 40)),
-                max_size=60))
-def test_random_operations_keep_integrity(ops):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["admit", "grow", "free"]), st.integers(0, 5), st.integers(1, 24),
+                          st.integers(0, 2)), max_size=60))
+def test_random_operations_keep_integrity_and_cache_content(ops):
+    """Requests over a 3-letter alphabet share prefixes often. After every operation the
+    integrity check holds, and every cached hit really holds the tokens asked for."""
     bm = BlockManager(num_blocks=10, block_size=4)
-    reqs = [req(i) for i in range(6)]
-    for op, i, n in ops:
+    content: dict[int, tuple] = {}                 # block -> the tokens it was computed with
+    reqs: list[Request | None] = [None] * 6
+    for op, i, n, seed in ops:
         r = reqs[i]
-        if op == "alloc":
-            before = list(r.block_table)
-            ok = bm.allocate(r, n)
-            if not ok:
-                assert r.block_table == before
+        if op == "admit" and r is None:
+            r = req(i, tokens=[(seed * k + k // 3) % 3 for k in range(n)])
+            hits = bm.find_cached_prefix(r)
+            for j, block in enumerate(hits):
+                assert content[block] == tuple(r.token_ids[j * 4:(j + 1) * 4])
+            if bm.allocate(r, r.num_tokens, hits):
+                r.num_computed_tokens = r.num_tokens
+                bm.cache_full_blocks(r)
+                for j in range(r.num_tokens // 4):
+                    content[r.block_table[j]] = tuple(r.token_ids[j * 4:(j + 1) * 4])
+                reqs[i] = r
+        elif op == "grow" and r is not None:
+            r.token_ids += [seed] * n
+            if bm.allocate(r, r.num_tokens):
+                r.num_computed_tokens = r.num_tokens
+                bm.cache_full_blocks(r)
+                for j in range(r.num_tokens // 4):
+                    content[r.block_table[j]] = tuple(r.token_ids[j * 4:(j + 1) * 4])
             else:
-                assert len(r.block_table) >= -(-n // 4)
-        elif op == "free":
+                r.token_ids = r.token_ids[:r.num_computed_tokens]
+        elif op == "free" and r is not None:
             bm.free(r)
-        else:
-            src = reqs[(i + 1) % 6]
-            if not r.block_table and src.block_table:
-                bm.share(src, r, min(len(src.block_table), n))
-        bm.check_integrity(reqs)
+            reqs[i] = None
+        bm.check_integrity([x for x in reqs if x is not None])

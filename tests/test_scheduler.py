@@ -6,13 +6,14 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sampling_params import SamplingParams
 
 
-def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1000):
-    bm = BlockManager(num_blocks, block_size)
-    return Scheduler(SchedulerConfig(max_seqs, budget, max_len), bm), bm
+def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=1000, caching=False, policy="fcfs"):
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
+    return Scheduler(SchedulerConfig(max_seqs, budget, max_len, policy), bm), bm
 
 
-def add(s, i, n, max_tokens=100):
-    r = Request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), {0})
+def add(s, i, n, max_tokens=100, priority=0, tokens=None):
+    r = Request(f"r{i}", tokens or list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), {0},
+                priority=priority)
     s.add_request(r)
     return r
 
@@ -95,3 +96,49 @@ def test_eos_respects_min_tokens_and_ignore_eos():
     assert not r.is_finished
     run_step(s, token=0)
     assert r.is_finished and r.finish_reason == "stop"
+
+
+def test_prefix_cache_skips_computed_blocks_and_reports_them():
+    s, bm = make(block_size=4, budget=64, caching=True)
+    a = add(s, 0, 10, max_tokens=1)
+    run_step(s)
+    assert a.is_finished
+    b = add(s, 1, 0, tokens=list(range(1, 9)) + [50, 51, 52])
+    out = run_step(s)
+    entry = out.scheduled[0]
+    assert b.metrics.num_cached_tokens == 8 and entry.start_pos == 8 and entry.token_ids == [50, 51, 52]
+    bm.check_integrity(list(s.requests.values()))
+
+
+def test_preempted_request_recomputes_from_its_own_cached_blocks():
+    s, bm = make(num_blocks=5, block_size=4, budget=64, caching=True)
+    a, b = add(s, 0, 8), add(s, 1, 0, tokens=list(range(100, 108)))
+    run_step(s)                                    # 4 blocks used, 1 free
+    run_step(s)                                    # a: 9 tokens -> 3rd block; b: 9 tokens -> needs one: preempted
+    assert b.req_id in [r.req_id for r in s.waiting]
+    s.finish_request("r0", "abort")
+    out = run_step(s)
+    entry = out.scheduled[0]
+    assert entry.req_id == "r1" and entry.start_pos == 8   # its two full blocks were still cached
+    bm.check_integrity(list(s.requests.values()))
+
+
+def test_priority_policy_admits_and_preempts_by_priority():
+    s, bm = make(max_seqs=1, policy="priority")
+    add(s, 0, 2, priority=5)
+    add(s, 1, 2, priority=1)
+    add(s, 2, 2, priority=1)
+    out = run_step(s)
+    assert [e.req_id for e in out.scheduled] == ["r1"]   # lowest value first, FCFS among equals
+    s2, bm2 = make(num_blocks=4, block_size=4, budget=64, policy="priority")
+    hi = add(s2, 0, 8, priority=0)
+    lo = add(s2, 1, 8, priority=9)
+    run_step(s2)
+    out = run_step(s2)                             # hi needs a block: lo (lower priority) is preempted
+    assert out.preempted == ["r1"] and [e.req_id for e in out.scheduled] == ["r0"]
+    s3, _ = make(num_blocks=4, block_size=4, budget=64, policy="priority")
+    lo = add(s3, 0, 8, priority=9)
+    hi = add(s3, 1, 8, priority=0)
+    run_step(s3)
+    out = run_step(s3)                             # lo runs first in the batch but is the victim
+    assert out.preempted == ["r0"] and [e.req_id for e in out.scheduled] == ["r1"]

@@ -314,3 +314,17 @@ def test_queue_limit_gives_503_and_sigterm_drains():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
+    prompt = "You are a careful assistant who answers in one short sentence. " * 8 + "What is the sun?"
+    hits = metric(server, "tokenmill:prefix_cache_hits_total")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 * ((second.usage.prompt_tokens - 1) // 16)
+    assert second.model_extra["timings"]["cached_prompt_tokens"] == cached
+    assert second.choices[0].text == first.choices[0].text
+    assert metric(server, "tokenmill:prefix_cache_hits_total") >= hits + cached
+    assert metric(server, "tokenmill:prefix_cache_queries_total") > 0

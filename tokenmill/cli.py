@@ -19,7 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
             help_text = f.metadata.get("help", "")
             default = None if f.default is MISSING else f.default
             if f.type in ("bool", bool):
-                p.add_argument(flag, action="store_true", help=help_text)
+                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f"{help_text} (default: {'on' if f.default else 'off'})")
                 continue
             kind = _scalar_type(f.type)
             suffix = "" if "default" in help_text else f" (default: {default})"

@@ -35,6 +35,8 @@ class CacheConfig:
         "KV cache size, bytes or with a unit (e.g. 2GiB, 512MB); default 2 GiB on CPU"))
     gpu_memory_utilization: float = field(default=0.9, metadata=_help(
         "CUDA: share of the card the engine may use, weights plus KV cache"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse the KV blocks of prompts that share a prefix with earlier ones"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -49,6 +51,8 @@ class CacheConfig:
 class SchedulingConfig:
     max_num_seqs: int = field(default=64, metadata=_help("most requests in one batch"))
     max_num_batched_tokens: int = field(default=2048, metadata=_help("token budget of one engine step"))
+    scheduling_policy: str = field(default="fcfs", metadata=_help(
+        "fcfs | priority (requests with a lower `priority` value go first)"))
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,28 @@
-"""Paged KV cache bookkeeping: which physical blocks each request owns. No torch here.
+"""Paged KV cache bookkeeping: which physical blocks each request owns, and which cached blocks
+hold which token prefixes. No torch here.
 
-The cache is `num_blocks` blocks of `block_size` token slots. A request's `block_table[i]` is
-the physical block holding its tokens `[i*block_size, (i+1)*block_size)`; token t lives in slot
-`block_table[t // block_size] * block_size + t % block_size`. Blocks carry reference counts so
-that several requests may share one (prefix sharing); a block returns to the free list when its
-count drops to zero.
+The cache is `num_blocks` blocks of `block_size` token slots. A request's `block_table[i]` is the
+physical block holding its tokens `[i*block_size, (i+1)*block_size)`; token t lives in slot
+`block_table[t // block_size] * block_size + t % block_size`. Blocks carry reference counts, so
+several requests can share one; a block whose count drops to zero goes back to the free list.
+
+Prefix caching: once a block is full of computed (final) tokens it gets a key,
+`(parent block's key id, its token ids)` — a chain that identifies the whole prefix. Keys are
+compared by value (dict lookup), so two different prefixes can never alias, whatever their hash.
+A freed block keeps its key and content while it waits in the free list; a later request with the
+same prefix takes it back instead of recomputing it. Eviction is least-recently-freed first, and
+blocks with no key (nothing worth keeping) are handed out before any cached one:
+
+    free list:  [uncached ... | cached, least recently used ... most recently used]
+                 ^ allocate from here
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 from tokenmill.core.request import Request
+
+BlockKey = tuple[int, tuple[int, ...]]  # (parent key id, token ids of the block)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,12 +30,21 @@ def cdiv(a: int, b: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 cache_salt: int = 0) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.root_id = -1 - cache_salt   # the parent id of a first block; salt = model / adapter identity
         self.ref_counts = [0] * num_blocks
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
+        self.key_id: list[int] = [0] * num_blocks   # unique id of the key a block holds
+        self.cached: dict[BlockKey, int] = {}         # key -> block
+        self._next_key_id = 0
+        self.num_queries = 0   # prompt tokens looked up
+        self.num_hits = 0      # of those, found in the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -31,25 +52,58 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks in use (the `kv_cache_usage_perc` gauge)."""
+        """Fraction of blocks held by requests (cached free blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def num_blocks_needed(self, req: Request, num_tokens: int) -> int:
-        """Extra blocks `req` needs so that its first `num_tokens` tokens have slots."""
-        return max(0, cdiv(num_tokens, self.block_size) - len(req.block_table))
+    # ---------------------------------------------------------------- prefix lookup
+    def find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks matching the start of `req.token_ids`. The last token is never taken
+        from the cache: the request must compute at least one token to get logits."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits, parent = [], self.root_id
+        for i in range((req.num_tokens - 1) // bs):
+            block = self.cached.get((parent, tuple(req.token_ids[i * bs:(i + 1) * bs])))
+            if block is None:
+                break
+            hits.append(block)
+            parent = self.key_id[block]
+        self.num_queries += req.num_tokens
+        self.num_hits += len(hits) * bs
+        return hits
 
-    def allocate(self, req: Request, num_tokens: int) -> bool:
-        """Grow `req.block_table` to cover `num_tokens` tokens. All or nothing: returns False and
-        changes nothing when the free list is too short."""
-        need = self.num_blocks_needed(req, num_tokens)
-        if need > len(self.free_blocks):
+    # ---------------------------------------------------------------- allocation
+    def num_blocks_needed(self, req: Request, num_tokens: int, num_cached: int = 0) -> int:
+        return max(0, cdiv(num_tokens, self.block_size) - len(req.block_table) - num_cached)
+
+    def allocate(self, req: Request, num_tokens: int, cached: list[int] | None = None) -> bool:
+        """Grow `req.block_table` to cover `num_tokens` tokens, first with `cached` prefix blocks
+        (only for a request that holds none yet), then fresh ones. All or nothing."""
+        cached = cached or []
+        need = self.num_blocks_needed(req, num_tokens, len(cached))
+        # cached blocks sitting in the free list are taken out of it, so they cannot serve as fresh ones
+        reclaimed = sum(1 for b in cached if self.ref_counts[b] == 0)
+        if need + reclaimed > len(self.free_blocks):
             return False
+        assert not cached or not req.block_table
+        for block in cached:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            req.block_table.append(block)
         for _ in range(need):
-            block = self.free_blocks.popleft()
-            assert self.ref_counts[block] == 0
+            block, _ = self.free_blocks.popitem(last=False)
+            self._evict(block)
             self.ref_counts[block] = 1
             req.block_table.append(block)
         return True
+
+    def _evict(self, block: int) -> None:
+        key = self.block_key[block]
+        if key is not None:
+            del self.cached[key]
+            self.block_key[block] = None
 
     def share(self, src: Request, dst: Request, num_blocks: int) -> None:
         """Let `dst` point at the first `num_blocks` blocks of `src` (copy-free prefix sharing)."""
@@ -58,24 +112,59 @@ class BlockManager:
             self.ref_counts[block] += 1
             dst.block_table.append(block)
 
+    def cache_full_blocks(self, req: Request) -> None:
+        """Give a key to each of `req`'s blocks that is now full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(req.num_computed_tokens // bs, len(req.block_table))
+        parent = req.block_hashes[-1] if req.block_hashes else self.root_id
+        for i in range(len(req.block_hashes), num_full):
+            block = req.block_table[i]
+            key = (parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))
+            holder = self.cached.get(key)
+            if holder is None:
+                assert self.block_key[block] is None
+                self.block_key[block] = key
+                self.key_id[block] = self._next_key_id
+                self._next_key_id += 1
+                self.cached[key] = holder = block
+            # else: this block was a cache hit (holder is block), or the same prefix was computed
+            # twice at once and the other copy serves future hits
+            parent = self.key_id[holder]
+            req.block_hashes.append(parent)
+
     def free(self, req: Request) -> None:
-        """Drop `req`'s references; blocks nobody else holds go back to the free list."""
+        """Drop `req`'s references. Unkeyed blocks go to the front of the free list (reused
+        first), keyed ones to the back (kept longest); the tail of a sequence is freed first so
+        that it is also evicted first."""
         for block in reversed(req.block_table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None
+                if self.block_key[block] is None:
+                    self.free_blocks.move_to_end(block, last=False)
         req.block_table = []
+        req.block_hashes = []
 
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.free_blocks):
+            self._evict(block)
+
+    # ---------------------------------------------------------------- invariants
     def check_integrity(self, live: list[Request]) -> None:
-        """Every block is either free (count 0) or referenced exactly as often as the live
-        requests hold it. Raises AssertionError otherwise; tests call it after every step."""
+        """Every block is free (count 0) or referenced exactly as often as live requests hold it,
+        and the key table and the blocks agree. Raises AssertionError; tests call it after every
+        operation."""
         held = [0] * self.num_blocks
         for req in live:
             for block in req.block_table:
                 held[block] += 1
-        free = set(self.free_blocks)
-        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
         for block in range(self.num_blocks):
-            assert self.ref_counts[block] == held[block], f"block {block}: refcount {self.ref_counts[block]} != holders {held[block]}"
-            assert (block in free) == (held[block] == 0), f"block {block}: free-list membership wrong"
+            assert self.ref_counts[block] == held[block], \
+                f"block {block}: refcount {self.ref_counts[block]} != holders {held[block]}"
+            assert (block in self.free_blocks) == (held[block] == 0), f"block {block}: free-list membership wrong"
+            key = self.block_key[block]
+            assert key is None or self.cached.get(key) == block, f"block {block}: key table disagrees"
+        assert len(self.cached) == sum(k is not None for k in self.block_key), "stale keys in the table"

@@ -22,13 +22,16 @@ class Request:
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], arrival_time: float | None = None) -> None:
+                 eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0) -> None:
         self.req_id = req_id
+        self.priority = priority  # lower runs first under the priority policy
+        self.arrival_seq = 0      # set by the scheduler: ties in priority go to the earlier request
         self.params = params
         self.prompt_len = len(prompt_token_ids)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache key ids of the full blocks, in order
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

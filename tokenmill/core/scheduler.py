@@ -2,9 +2,11 @@
 
 Every step: running requests first (oldest first), each granted the tokens it still has to
 compute (a decode needs 1, a prompt gets as much as the budget allows: chunked prefill); then
-waiting requests join FCFS while budget, `max_num_seqs` and free KV blocks last. When a running
-request cannot get a block, the newest running request is preempted (blocks freed, recomputed
-later from its prompt + output so far): the engine never runs out of memory and never drops one.
+waiting requests join — FCFS, or by `priority` (lower first) — while budget, `max_num_seqs` and
+free KV blocks last, starting after whatever prefix the cache already holds. When a running
+request cannot get a block, a victim is preempted (the newest; under the priority policy the
+lowest-priority, newest first): its blocks are freed and it is recomputed later from its prompt +
+output so far. The engine never runs out of memory and never drops a request.
 """
 from __future__ import annotations
 
@@ -21,8 +23,11 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    policy: str = "fcfs"  # or "priority"
 
     def __post_init__(self) -> None:
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -37,9 +42,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._arrivals = 0
 
     # ----------------------------------------------------------------- intake / exit
     def add_request(self, req: Request) -> None:
+        req.arrival_seq = self._arrivals
+        self._arrivals += 1
         self.requests[req.req_id] = req
         self.waiting.append(req)
 
@@ -64,40 +72,56 @@ class Scheduler:
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._reserve(req, num_new, out):
-                break  # req itself was preempted: it was the newest, nothing after it
-            out.scheduled.append(self._entry(req, num_new))
-            budget -= num_new
-            i += 1
+            while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+                victim = self._victim()
+                if self.running.index(victim) < i:
+                    i -= 1
+                self.running.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim.req_id)
+                if victim.req_id in scheduled:
+                    budget += len(scheduled.pop(victim.req_id).token_ids)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.req_id] = self._entry(req, num_new)
+                budget -= num_new
+                i += 1
 
         while (not out.preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+            req = self._next_waiting()
+            cached = self.block_manager.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(req, num_cached + num_new, cached):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_cached
+            if req.num_output_tokens == 0:
+                req.metrics.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._entry(req, num_new))
+            scheduled[req.req_id] = self._entry(req, num_new)
             budget -= num_new
+        out.scheduled = list(scheduled.values())
         return out
 
-    def _reserve(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Blocks for req's next `num_new` tokens, preempting the newest running requests
-        until they fit. False when req had to preempt itself."""
-        while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim.req_id)
-            if victim is req:
-                return False
-        return True
+    def _next_waiting(self) -> Request:
+        if self.config.policy == "fcfs":
+            return self.waiting[0]
+        return min(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
+
+    def _victim(self) -> Request:
+        if self.config.policy == "fcfs":
+            return self.running[-1]
+        return max(self.running, key=lambda r: (r.priority, r.arrival_seq))
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
@@ -123,6 +147,7 @@ class Scheduler:
             if req is None:  # aborted while the step ran
                 continue
             req.num_computed_tokens += len(entry.token_ids)
+            self.block_manager.cache_full_blocks(req)
             if not entry.sample:
                 continue
             req.token_ids.append(result.sampled[entry.req_id])

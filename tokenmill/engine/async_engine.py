@@ -34,7 +34,8 @@ class EngineClient(Protocol):
     tokenizer: object
     max_model_len: int
 
-    def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
+                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine thread plus the scheduler's queue."""
@@ -63,8 +64,8 @@ class AsyncEngine:
         self._thread.start()
 
     # ---------------------------------------------------------------- event-loop side
-    async def generate(self, req_id: str, prompt: str | list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"the engine has stopped after an error: {self._dead}")
         with self._lock:
@@ -76,7 +77,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("add", req_id, prompt, params, added, (loop, out_q)))
+        self._cmds.put(("add", req_id, prompt, params, priority, added, (loop, out_q)))
         self._wake.set()
         await asyncio.wrap_future(added)  # raises the engine's ValueError for a bad request
         finished = False
@@ -147,9 +148,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, req_id, prompt, params, added, target = cmd
+                _, req_id, prompt, params, priority, added, target = cmd
                 try:
-                    self.engine.add_request(req_id, prompt, params)
+                    self.engine.add_request(req_id, prompt, params, priority=priority)
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
                     with self._lock:
                         self._pending_adds -= 1

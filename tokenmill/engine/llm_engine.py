@@ -36,6 +36,8 @@ class StepStats:
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0          # prompts that finished prefilling this step
+    prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0          # of those, found
     num_generation_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
@@ -72,9 +74,9 @@ class LLMEngine:
                                                      cc.kv_cache_memory, cc.gpu_memory_utilization)
         self.block_size = cc.block_size
         self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.dtype)
-        self.block_manager = BlockManager(num_blocks, cc.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len),
-                                   self.block_manager)
+        self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
+                                                   sc.scheduling_policy), self.block_manager)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
@@ -86,7 +88,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         params = params or SamplingParams()
         if req_id in self.parents:
             raise ValueError(f"request id {req_id!r} is already in use.")
@@ -96,7 +98,7 @@ class LLMEngine:
         parent = _Parent(req_id, text, ids, [], [], [])
         for i, p in enumerate(params_list):
             child_id = req_id if params.n == 1 else f"{req_id}#{i}"
-            req = Request(child_id, ids, p, self.eos_token_ids, arrival_time)
+            req = Request(child_id, ids, p, self.eos_token_ids, arrival_time, priority)
             parent.children.append(req)
             parent.detoks.append(DetokState(self.tokenizer, ids, p) if self.tokenizer else None)
             parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))
@@ -156,6 +158,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        bm = self.block_manager
+        queries, hits = bm.num_queries, bm.num_hits
         sched = self.scheduler.schedule()
         if not sched:
             return []
@@ -166,7 +170,8 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = now
         result = self.runner.execute(sched)
         advanced = self.scheduler.update(sched, result)
-        self.last_stats = StepStats(num_preemptions=len(sched.preempted))
+        self.last_stats = StepStats(num_preemptions=len(sched.preempted), prefix_cache_queries=bm.num_queries - queries,
+                                    prefix_cache_hits=bm.num_hits - hits)
         outputs = self._process(advanced)
         st = self.last_stats
         st.num_running, st.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)

@@ -129,7 +129,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         prompts = _completion_prompts(req.prompt)
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = [client.generate(f"{rid}-{i}", p, params) for i, p in enumerate(prompts)]
+        streams = [client.generate(f"{rid}-{i}", p, params, req.priority) for i, p in enumerate(prompts)]
         firsts = await _start_all(streams, metrics)
         if req.stream:
             return _sse(_completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
@@ -162,7 +162,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         params = _sampling_params(req, max_tokens, top if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = client.generate(rid, ids, params)
+        stream = client.generate(rid, ids, params, req.priority)
         first = (await _start_all([stream], metrics))[0]
         if req.stream:
             return _sse(_chat_stream(rid, req, stream, first, model_name, client))

@@ -22,6 +22,10 @@ class Metrics:
         self.preemptions = Counter(p + "num_preemptions", "Preemptions (requests evicted to be recomputed)", labels, registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", labels, registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                                   registry=r)
         self.success = Counter(p + "request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token", labels,
@@ -46,6 +50,9 @@ class Metrics:
             self.preemptions.labels(**lb).inc(st.num_preemptions)
         if st.num_prompt_tokens:
             self.prompt_tokens.labels(**lb).inc(st.num_prompt_tokens)
+        if st.prefix_cache_queries:
+            self.prefix_queries.labels(**lb).inc(st.prefix_cache_queries)
+            self.prefix_hits.labels(**lb).inc(st.prefix_cache_hits)
         if st.num_generation_tokens:
             self.generation_tokens.labels(**lb).inc(st.num_generation_tokens)
         for v in st.ttft:

@@ -38,6 +38,7 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    priority: int = 0  # lower goes first under --scheduling-policy priority; ignored under fcfs
 
 
 class CompletionRequest(_SamplingFields):
