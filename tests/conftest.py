@@ -70,4 +70,4 @@ def hf_default_tokenizer(default_model):
 def llm(default_model):
     from tokenmill import LLM
 
-    return LLM(default_model, dtype="float32", kv_cache_memory="1GiB")
+    return LLM(default_model, dtype="float32", quantization="none", kv_cache_memory="1GiB")

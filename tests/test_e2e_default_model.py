@@ -44,7 +44,8 @@ def test_batch_invariance_16_mixed_prompts(llm):
 
 def test_overflowing_kv_cache_preempts_and_still_answers_correctly(default_model):
     # 40 blocks of 16 tokens; 12 requests of ~120 prompt + 48 output tokens need ~130 blocks at once
-    llm = LLM(default_model, dtype="float32", kv_cache_memory=40 * 737280, max_num_batched_tokens=256)
+    llm = LLM(default_model, dtype="float32", quantization="none", kv_cache_memory=40 * 737280,
+              max_num_batched_tokens=256)
     engine = llm.engine
     assert engine.block_manager.num_blocks == 40
     tok = llm.get_tokenizer()

@@ -26,6 +26,12 @@ class ModelConfig:
         "global random seed: unseeded sampling is reproducible from one engine start to the next"))
     skip_tokenizer_init: bool = field(default=False, metadata=_help(
         "load no tokenizer; prompts must then be token ids"))
+    quantization: str = field(default="auto", metadata=_help(
+        "auto | none | int8 | int4. auto: GGUF Q4_0/Q4_1 stay int4 (exact), other GGUF block types become "
+        "int8, float checkpoints stay float; int8/int4 also quantize float weights at load (round-to-nearest); "
+        "none: everything dequantized to float (CPU only; other devices always use float)"))
+    quantization_group_size: int = field(default=32, metadata=_help(
+        "group size of int4 round-to-nearest quantization at load"))
 
 
 @dataclass(frozen=True)

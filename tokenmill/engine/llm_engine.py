@@ -62,7 +62,8 @@ class LLMEngine:
         self.device = resolve_device(mc.device)
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
-        loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init)
+        loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
+                             quantization=mc.quantization, group_size=mc.quantization_group_size)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.dtype = next(loaded.model.parameters()).dtype
 

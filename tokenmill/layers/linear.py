@@ -1,14 +1,20 @@
-"""Linear layers, plain and fused (QKV, gate/up), each knowing how to load its checkpoint shards.
+"""Linear layers, plain and fused (QKV, gate/up), each knowing how to load its checkpoint shards
+and how to become quantized once loaded.
 
-A fused layer stores the shards stacked along the output dimension, so one matmul replaces
-three (QKV) or two (gate/up); `weight_loader(param, tensor, shard)` copies a checkpoint tensor
-into its rows.
+A fused layer stores the shards stacked along the output dimension, so one matmul replaces three
+(QKV) or two (gate/up); `weight_loader(param, tensor, shard)` copies a checkpoint tensor into its
+rows. Weights load as float; `quantize(...)` then swaps them for a packed int4 or int8 form:
+exactly, when every shard came as GGUF Q4_0/Q4_1 blocks, or by round-to-nearest on request.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.quant import int4, int8
+
+QUANT_POLICIES = ("auto", "none", "int8", "int4")
 
 
 class Linear(nn.Module):
@@ -18,8 +24,16 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shard_offsets: dict[str, tuple[int, int]] = {}
+        self.qweight: int4.Int4Weight | int8.Int8Weight | None = None
+        self._int4_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.quantized_source = False  # some shard was stored quantized in the checkpoint
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None,
+                      int4_parts: tuple | None = None, quantized: bool = False) -> None:
+        if param is self.weight:
+            self.quantized_source |= quantized
+            if int4_parts is not None:
+                self._int4_parts[shard] = int4_parts
         if shard is None:
             if param.shape != loaded.shape:
                 raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
@@ -31,8 +45,35 @@ class Linear(nn.Module):
                              f"expected ({size}, {', '.join(map(str, param.shape[1:]))})")
         param.data[start:start + size].copy_(loaded)
 
+    def quantize(self, policy: str, group_size: int, allow_int4: bool = True) -> None:
+        """Replace the float weight by a quantized one according to `policy`:
+        auto: exact int4 where the checkpoint had 4-bit blocks, int8 for other quantized tensors;
+        int8 / int4: round-to-nearest for the rest too; none: keep float."""
+        if policy == "int4" and group_size not in int4.GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {int4.GROUP_SIZES}, got {group_size}.")
+        expected = list(self.shard_offsets) or [None]
+        allow_int4 = allow_int4 and self.out_features % 16 == 0  # the CPU packing works on 16-row tiles
+        exact = allow_int4 and all(s in self._int4_parts for s in expected)
+        if policy == "none":
+            pass
+        elif exact:
+            parts = [self._int4_parts[s] for s in expected]
+            q, scale, minimum = (torch.cat([p[i] for p in parts]) for i in range(3))
+            self.qweight = int4.pack(q, scale, minimum, self.in_features // scale.shape[1])
+        elif policy == "int4" and allow_int4:
+            self.qweight = int4.pack(*int4.quantize_rtn(self.weight.data, group_size), group_size)
+        elif policy in ("int8", "int4") or (policy == "auto" and self.quantized_source):
+            self.qweight = int8.quantize_rtn(self.weight.data)
+        self._int4_parts = {}
+        if self.qweight is not None:
+            self.weight = None  # the float copy is no longer needed
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        q = self.qweight
+        if q is None:
+            return F.linear(x, self.weight, self.bias)
+        y = int4.matmul(x, q) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q)
+        return y if self.bias is None else y + self.bias
 
 
 class FusedLinear(Linear):

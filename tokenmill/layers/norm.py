@@ -1,5 +1,6 @@
-"""RMSNorm, computed in float32 as the reference implementations do."""
+"""RMSNorm, computed in float32 as the reference implementations do (one fused op)."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,9 +12,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.offset:
-            return (x32 * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * x32.to(dtype)
+            y = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+            return (y * (self.offset + self.weight.float())).to(x.dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

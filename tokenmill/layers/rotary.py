@@ -1,4 +1,8 @@
-"""Rotary position embedding (rotate-half / NeoX layout), with Llama 3 and linear scaling."""
+"""Rotary position embedding (rotate-half / NeoX layout), with Llama 3 and linear scaling.
+
+The cos/sin rows of a step's positions are looked up once per forward (`lookup`) and shared by
+every layer; queries and keys are rotated in one call.
+"""
 from __future__ import annotations
 
 import math
@@ -37,14 +41,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (T, Hq, D), k: (T, Hkv, D); cos/sin rows: (T, 1, D/2)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T,) positions -> cos, sin of shape (T, 1, head_dim/2), for all layers of one step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, H, D) -> rotated (T, H, D); in float32 whatever x's dtype."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -13,6 +13,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from tokenmill.quant import gguf_blocks
+
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
@@ -63,17 +65,26 @@ class GGUFFile:
     def vocab_size(self) -> int:
         return self.tensors["token_embd.weight"].shape[-1].item() if "token_embd.weight" in self.tensors else 0
 
-    def hf_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (hf_name, float32 tensor) for every tensor in the file."""
+    def hf_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor, dict]]:
+        """Yield (hf_name, float32 tensor, extras) for every tensor in the file. extras:
+        `quantized` (stored in a block format) and, for Q4_0/Q4_1, `int4_parts` = the exact
+        (q, scale, min) groups, so the weight can stay 4-bit without re-quantizing."""
         permute = self.architecture in ("llama", "mistral")
         for name, t in self.tensors.items():
             hf = _hf_name(name)
             if hf is None:
                 continue
+            kind = t.tensor_type.name
             w = torch.from_numpy(np.array(self._dequantize(t), copy=True))
+            parts = None
+            if kind in ("Q4_0", "Q4_1") and w.dim() == 2:
+                parts = gguf_blocks.decode(np.asarray(t.data), kind, w.shape[1])
             if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
-                w = _unpermute(w, num_heads if "attn_q" in name else num_kv_heads)
-            yield hf, w
+                heads = num_heads if "attn_q" in name else num_kv_heads
+                w = _unpermute(w, heads)
+                if parts is not None:
+                    parts = tuple(_unpermute(p, heads) for p in parts)
+            yield hf, w, {"quantized": kind not in ("F32", "F16", "BF16"), "int4_parts": parts}
 
     def _dequantize(self, t) -> np.ndarray:
         import gguf

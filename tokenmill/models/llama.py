@@ -15,29 +15,28 @@ from torch import nn
 from tokenmill.layers.attention import Attention
 from tokenmill.layers.linear import FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
+from tokenmill.quant import int8
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                     bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.rotary = rotary
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim))
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)      # (T, Hq, D)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)   # (T, Hkv, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)  # (T, Hq+Hkv, D)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
         o = self.attn(q, k, v)                              # (T, Hq, D)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -58,15 +57,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.self_attn = SelfAttention(cfg, rotary)
+        self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.mlp = MLP(cfg)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -81,24 +80,40 @@ class CausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.embed_tokens.weight.requires_grad_(False)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.rotary = rotary
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.tied_head_q: int8.Int8Weight | None = None  # int8 copy of a tied embedding for the output
+        self.quantized_sources: set[str] = set()         # parameters stored quantized in the checkpoint
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
         h = self.model.embed_tokens(input_ids)
         if self.cfg.embed_scale:
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
+        rope = self.rotary.lookup(positions)
         for layer in self.model.layers:
-            h = layer(positions, h)
+            h = layer(rope, h)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.tied_head_q is not None:
+            return int8.matmul(hidden, self.tied_head_q).float()
+        return F.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def quantize(self, policy: str, group_size: int) -> None:
+        """Swap float weights for int4/int8 ones (see `Linear.quantize`). The output projection
+        gets int8 at most: int4 logits cost too much accuracy for the bytes they save."""
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                module.quantize(policy, group_size, allow_int4=name != "lm_head")
+        embed_q = "model.embed_tokens.weight" in self.quantized_sources
+        if self.lm_head is None and (policy in ("int8", "int4") or (policy == "auto" and embed_q)):
+            self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -116,7 +131,11 @@ def load_weights(model: CausalLM, weights) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     filled: set[str] = set()
-    for name, tensor in weights:
+    for item in weights:
+        name, tensor = item[0], item[1]
+        extra = item[2] if len(item) > 2 else {}
+        if extra.get("quantized"):
+            model.quantized_sources.add(name)
         if "rotary_emb" in name:
             continue
         if name == "lm_head.weight" and model.lm_head is None:
@@ -130,10 +149,12 @@ def load_weights(model: CausalLM, weights) -> None:
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {model.cfg.family} model.")
         param = params[target]
+        if name.endswith("bias"):
+            extra = {}
         loader = getattr(modules[".".join(parts[:-1])], "weight_loader", None)
         tensor = tensor.to(param.dtype)
         if loader is not None:
-            loader(param, tensor, shard)
+            loader(param, tensor, shard, **extra)
         elif param.shape != tensor.shape:
             raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
         else:

@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from tokenmill.layers.linear import QUANT_POLICIES
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.gguf_loader import GGUFFile, is_gguf
 from tokenmill.models.llama import CausalLM, load_weights
@@ -27,7 +28,21 @@ class LoadedModel:
     source_dtype: torch.dtype  # what the checkpoint stores (GGUF: float32 after dequantization)
 
 
-def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True) -> LoadedModel:
+def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
+         quantization: str = "auto", group_size: int = 32) -> LoadedModel:
+    """`quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
+    checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels are
+    PyTorch's CPU ones; on other devices weights stay in the model dtype."""
+    if quantization not in QUANT_POLICIES:
+        raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
+    if device.type != "cpu":
+        quantization = "none"
+    loaded = _load(path, dtype, device, load_tokenizer)
+    loaded.model.quantize(quantization, group_size)
+    return loaded
+
+
+def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool) -> LoadedModel:
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist.")
     if os.path.isfile(path):

@@ -1,0 +1,1 @@
+"""Benchmarks shipped with the product: `tokenmill bench latency | throughput | serve`."""
