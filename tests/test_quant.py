@@ -121,3 +121,20 @@ def test_default_model_runs_quantized_and_stays_close(default_model):
     pa, pb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     kl = (pa.exp() * (pa - pb)).sum(-1).mean()
     assert kl < 0.05, kl
+
+
+def test_keep_float_serves_large_batches_from_the_float_weight():
+    from tokenmill.layers.linear import FLOAT_MIN_ROWS
+
+    torch.manual_seed(3)
+    w = torch.randn(32, 64)
+    parts = int4.quantize_rtn(w, 32)
+    deq = int4.dequantize(*parts)
+    layer = Linear(64, 32)
+    layer.weight_loader(layer.weight, deq, int4_parts=parts, quantized=True)
+    layer.quantize("auto", 32, keep_float=True)
+    assert isinstance(layer.qweight, int4.Int4Weight) and layer.float_weight is not None
+    small, big = torch.randn(4, 64), torch.randn(FLOAT_MIN_ROWS + 1, 64)
+    assert torch.equal(layer(big), big @ deq.t())                 # exact float path
+    ref = bf16_reference(small, deq)
+    assert (layer(small) - ref).abs().max() <= 0.02 * ref.abs().max()  # int4 kernel path

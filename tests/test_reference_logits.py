@@ -90,3 +90,24 @@ def test_half_precision_loads_and_tracks_float32(tiny_llama, dtype):
         got = lm.model.compute_logits(lm.model(torch.tensor(ids), torch.arange(len(ids))))
     ref = hf_logits(tiny_llama, ids)
     assert torch.allclose(got, ref, atol=0.1 * ref.abs().max().item())
+
+
+def test_perplexity_equals_transformers_loss(tiny_llama):
+    """One window covering the text: exp(mean NLL) equals transformers' exp(loss); a sliding
+    window with overlap scores every token exactly once."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill.compress.evaluate import perplexity
+
+    lm = loader.load(tiny_llama, "float32", torch.device("cpu"), load_tokenizer=False)
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        loss = ref(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item()
+    whole = perplexity(lm.model, ids, context_len=128, stride=128, progress=False)
+    assert whole["tokens_scored"] == 89
+    assert math.isclose(whole["perplexity"], math.exp(loss), rel_tol=1e-4)
+    sliding = perplexity(lm.model, ids, context_len=32, stride=16, progress=False)
+    assert sliding["tokens_scored"] == 89

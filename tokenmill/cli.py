@@ -157,6 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.bench == "serve":
         import asyncio
 
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
         from tokenmill.bench import serving
 
         items = workload.load(args.workload, args.num_prompts, args.workload_seed, args.input_len, args.output_len,
@@ -193,6 +194,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from tokenmill.compress.evaluate import perplexity
+    from tokenmill.models import loader
+    from tokenmill.utils import default_model_path, resolve_device
+
+    data = args.data or os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "test.txt")
+    if not os.path.exists(data):
+        raise ValueError(f"evaluation text {data} not found; pass --data FILE.")
+    model_path = args.model or default_model_path()
+    loaded = loader.load(model_path, args.dtype, resolve_device(args.device), quantization=args.quantization,
+                         group_size=args.quantization_group_size)
+    with open(data, encoding="utf-8") as f:
+        ids = loaded.tokenizer.encode(f.read(), add_special_tokens=False)
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
+    torch.manual_seed(0)
+    result = perplexity(loaded.model, ids, args.context_len, args.stride)
+    result.update(model=model_path, data=os.path.abspath(data), quantization=args.quantization)
+    _emit(result, args.output_json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description="Fast LLM inference with vLLM's API.")
     p.add_argument("--log-level", default="INFO")
@@ -225,6 +252,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--uvicorn-log-level", default="warning")
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
+
+    e = sub.add_parser("eval", help="model quality")
+    esub = e.add_subparsers(dest="eval", required=True)
+    pp = esub.add_parser("ppl", help="sliding-window perplexity on a text file")
+    pp.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
+    pp.add_argument("--data", default=None, help="text file (default: ../shared/data/wikitext-2/test.txt)")
+    pp.add_argument("--context-len", type=int, default=512)
+    pp.add_argument("--stride", type=int, default=256)
+    pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    pp.add_argument("--dtype", default="auto")
+    pp.add_argument("--device", default="auto")
+    pp.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 (as for serving)")
+    pp.add_argument("--quantization-group-size", type=int, default=32)
+    pp.add_argument("--output-json", default=None)
+    pp.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="benchmarks: latency, throughput (offline), serve (any OpenAI server)")
     bsub = b.add_subparsers(dest="bench", required=True)

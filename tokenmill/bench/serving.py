@@ -27,11 +27,12 @@ class Result:
     e2e: float = 0.0
     output_tokens: int = 0
     prompt_tokens: int = 0
+    max_tokens: int = 0
     itl: list[float] = field(default_factory=list)
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> Result:
-    res = Result()
+    res = Result(max_tokens=body["max_tokens"])
     t0 = time.perf_counter()
     last = None
     chunks = 0
@@ -127,7 +128,7 @@ def summarize(results: list[Result], wall: float, concurrency: int, rate: float 
     summary = {
         "concurrency": concurrency, "request_rate": rate, "num_requests": len(results), "completed": len(ok),
         "errors": len(results) - len(ok), "error_samples": [r.error for r in results if not r.ok][:3],
-        "short_outputs": sum(1 for r, it in zip(ok, items) if r.output_tokens < it.max_tokens),
+        "short_outputs": sum(1 for r in ok if r.output_tokens < r.max_tokens),
         "wall_s": wall, "requests_per_s": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
         "total_tokens_per_s": (out_tokens + sum(r.prompt_tokens for r in ok)) / wall,
         "ttft_values": [r.ttft for r in ok],

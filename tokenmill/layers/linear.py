@@ -15,6 +15,10 @@ from torch import nn
 from tokenmill.quant import int4, int8
 
 QUANT_POLICIES = ("auto", "none", "int8", "int4")
+# PyTorch's int4/int8 CPU kernels cost time linear in the rows of x (no reuse of the unpacked weight
+# across rows): 28 us at 1 row, 900 us at 64 for a 1536x576 matrix, where a float GEMM takes 520 us.
+# Past this many rows a layer that kept its float weight uses that instead.
+FLOAT_MIN_ROWS = 32
 
 
 class Linear(nn.Module):
@@ -25,6 +29,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         self.qweight: int4.Int4Weight | int8.Int8Weight | None = None
+        self.float_weight: torch.Tensor | None = None  # kept for large batches when asked
         self._int4_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.quantized_source = False  # some shard was stored quantized in the checkpoint
 
@@ -45,7 +50,7 @@ class Linear(nn.Module):
                              f"expected ({size}, {', '.join(map(str, param.shape[1:]))})")
         param.data[start:start + size].copy_(loaded)
 
-    def quantize(self, policy: str, group_size: int, allow_int4: bool = True) -> None:
+    def quantize(self, policy: str, group_size: int, allow_int4: bool = True, keep_float: bool = False) -> None:
         """Replace the float weight by a quantized one according to `policy`:
         auto: exact int4 where the checkpoint had 4-bit blocks, int8 for other quantized tensors;
         int8 / int4: round-to-nearest for the rest too; none: keep float."""
@@ -66,12 +71,15 @@ class Linear(nn.Module):
             self.qweight = int8.quantize_rtn(self.weight.data)
         self._int4_parts = {}
         if self.qweight is not None:
-            self.weight = None  # the float copy is no longer needed
+            self.float_weight = self.weight.data if keep_float else None
+            self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qweight
         if q is None:
             return F.linear(x, self.weight, self.bias)
+        if self.float_weight is not None and x.numel() > FLOAT_MIN_ROWS * self.in_features:
+            return F.linear(x, self.float_weight, self.bias)
         y = int4.matmul(x, q) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q)
         return y if self.bias is None else y + self.bias
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.linear import FusedLinear, Linear
+from tokenmill.layers.linear import FLOAT_MIN_ROWS, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -101,16 +101,17 @@ class CausalLM(nn.Module):
         """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.tied_head_q is not None:
+        if self.tied_head_q is not None and hidden.shape[0] <= FLOAT_MIN_ROWS:
             return int8.matmul(hidden, self.tied_head_q).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-    def quantize(self, policy: str, group_size: int) -> None:
+    def quantize(self, policy: str, group_size: int, keep_float: bool = False) -> None:
         """Swap float weights for int4/int8 ones (see `Linear.quantize`). The output projection
-        gets int8 at most: int4 logits cost too much accuracy for the bytes they save."""
+        gets int8 at most: int4 logits cost too much accuracy for the bytes they save.
+        `keep_float` keeps the float weights too, for steps with many tokens."""
         for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.quantize(policy, group_size, allow_int4=name != "lm_head")
+                module.quantize(policy, group_size, allow_int4=name != "lm_head", keep_float=keep_float)
         embed_q = "model.embed_tokens.weight" in self.quantized_sources
         if self.lm_head is None and (policy in ("int8", "int4") or (policy == "auto" and embed_q)):
             self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)

@@ -29,7 +29,7 @@ class LoadedModel:
 
 
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
-         quantization: str = "auto", group_size: int = 32) -> LoadedModel:
+         quantization: str = "auto", group_size: int = 32, keep_float: bool = False) -> LoadedModel:
     """`quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
     checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels are
     PyTorch's CPU ones; on other devices weights stay in the model dtype."""
@@ -38,7 +38,7 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
     if device.type != "cpu":
         quantization = "none"
     loaded = _load(path, dtype, device, load_tokenizer)
-    loaded.model.quantize(quantization, group_size)
+    loaded.model.quantize(quantization, group_size, keep_float)
     return loaded
 
 

@@ -135,6 +135,7 @@ class ModelRunner:
                                                     dtype=torch.long, device=dev)
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            meta.all_decode = not prefills
         for q_start, n, start, table in prefills:
             seg = PrefillSegment(q_start, q_start + n)
             if start > 0:  # earlier chunks are in the cache: attend over the whole context

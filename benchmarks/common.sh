@@ -1,0 +1,32 @@
+# Shared settings for the benchmark scripts: paths, the default model, peer builds.
+# Peers are built from public sources into benchmarks/.peers (git-ignored).
+set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+PEERS=$HERE/.peers
+RESULTS=$HERE/results
+PY=$ROOT/.venv/bin/python
+TM=$ROOT/.venv/bin/tokenmill
+SHARED=${SHARED:-$ROOT/../shared}
+WORKLOAD=${WORKLOAD:-$SHARED/bench/workload_smollm2_n256_seed0.jsonl}
+MODEL=${MODEL:-$($PY -c 'from tokenmill.utils import default_model_path; print(default_model_path())')}
+LLAMA_VERSION=0.3.36
+mkdir -p "$PEERS" "$RESULTS"
+
+# llama.cpp's server and llama-bench, from the llama.cpp sources vendored in the llama-cpp-python sdist
+build_llamacpp() {
+  [ -x "$PEERS/llama.cpp-build/bin/llama-server" ] && [ -x "$PEERS/llama.cpp-build/bin/llama-bench" ] && return
+  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$PEERS/dl"
+  mkdir -p "$PEERS/src" && tar xzf "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" -C "$PEERS/src"
+  cmake -S "$PEERS/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" -B "$PEERS/llama.cpp-build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+    -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF
+  cmake --build "$PEERS/llama.cpp-build" -j 2 --target llama-server llama-bench
+}
+
+wait_health() {  # url
+  for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
+  echo "server at $1 did not come up" >&2; return 1
+}
+
+stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Offline throughput on the canonical workload: `tokenmill bench throughput` (64 requests) vs
+# Hugging Face transformers `generate` in static batches (hf_offline.py). Writes results/offline.jsonl.
+source "$(dirname "$0")/common.sh"
+N=${N:-64}
+out=$RESULTS/offline.jsonl; : > "$out"
+"$TM" --log-level WARNING bench throughput --model "$MODEL" --workload "$WORKLOAD" --num-prompts "$N" \
+  | "$PY" -c 'import json,sys; print(json.dumps({"peer": "tokenmill", **json.load(sys.stdin)}))' >> "$out"
+# batch size 1 on 16 requests (its rate is flat in N; 64 would take ~10 minutes)
+"$PY" "$HERE/hf_offline.py" --gguf "$MODEL" --workload "$WORKLOAD" -n 16 --batch-size 1 >> "$out"
+for bs in 8 32; do
+  "$PY" "$HERE/hf_offline.py" --gguf "$MODEL" --workload "$WORKLOAD" -n "$N" --batch-size "$bs" >> "$out"
+done
+cat "$out"

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Shared 1,000-token system prompt, 64 distinct questions, 8 concurrent clients: TTFT with prefix
+# caching on vs off (tokenmill) vs llama.cpp's llama-server --parallel 8 (its per-slot prompt cache
+# on). One server alive at a time. Writes results/prefix_cache.jsonl.
+source "$(dirname "$0")/common.sh"
+C=${C:-8}; N=${N:-64}
+build_llamacpp
+W=$RESULTS/prefix_workload.jsonl
+"$PY" "$HERE/prefix_workload.py" --wikitext "$SHARED/data/wikitext-2/valid.txt" --mt-bench "$SHARED/data/mt_bench/question.jsonl" -n "$N" --out "$W"
+out=$RESULTS/prefix_cache.jsonl; : > "$out"
+bench() {  # name url
+  "$TM" bench serve --base-url "$2" --model-name smollm2 --workload "$W" --num-prompts "$N" --concurrency "$C" \
+     --output-json "$RESULTS/.last.json" > /dev/null
+  "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1]))["runs"][0]; print(json.dumps({"peer": sys.argv[2], **d}))' \
+     "$RESULTS/.last.json" "$1" >> "$out"
+}
+for flag in --enable-prefix-caching --no-enable-prefix-caching; do
+  "$TM" --log-level WARNING serve --model "$MODEL" --port 8020 --served-model-name smollm2 $flag &
+  pid=$!; wait_health http://127.0.0.1:8020; bench "tokenmill $flag" http://127.0.0.1:8020; stop $pid
+done
+"$PEERS/llama.cpp-build/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c $((C * 2048)) -np "$C" \
+   --no-webui --host 127.0.0.1 --port 8081 > /dev/null 2>&1 &
+pid=$!; wait_health http://127.0.0.1:8081; bench "llama-server -np $C" http://127.0.0.1:8081; stop $pid
+"$PY" - "$out" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['peer']:32s} TTFT p50 {r['ttft_p50_s']:.3f}s p99 {r['ttft_p99_s']:.3f}s  out tok/s {r['output_tokens_per_s']:.1f}")
+PY

@@ -1,0 +1,39 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes: torch.profiler over steps with B running requests whose
+context is PROMPT tokens long. Prints the top operators by self CPU time.
+
+    python benchmarks/profile_decode.py --batch 1 --prompt 32
+    python benchmarks/profile_decode.py --batch 16 --prompt 300
+"""
+import argparse
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+from tokenmill import LLM, SamplingParams
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--batch", type=int, default=1)
+ap.add_argument("--prompt", type=int, default=32)
+ap.add_argument("--steps", type=int, default=20)
+ap.add_argument("--quantization", default="auto")
+a = ap.parse_args()
+
+llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization)
+engine = llm.engine
+for i in range(a.batch):
+    engine.add_request(f"r{i}", [100 + (i + j) % 40000 for j in range(a.prompt)],
+                       SamplingParams(temperature=0, max_tokens=10 * a.steps + 50, ignore_eos=True))
+while any(r.num_computed_tokens < r.prompt_len for r in engine.scheduler.requests.values()):
+    engine.step()
+for _ in range(5):
+    engine.step()
+t0 = time.perf_counter()
+for _ in range(a.steps):
+    engine.step()
+step = (time.perf_counter() - t0) / a.steps
+print(f"batch {a.batch}, context ~{a.prompt}: {step * 1000:.1f} ms/step = {a.batch / step:.1f} tokens/s")
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    for _ in range(a.steps):
+        engine.step()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

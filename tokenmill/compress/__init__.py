@@ -1,0 +1,1 @@
+"""Offline model tools: evaluation (perplexity) first; quantize / prune / distill build on it."""
