@@ -81,7 +81,6 @@ def test_prefix_hits_misses_and_partial_blocks():
     # a different first block changes every later key, even with equal later tokens
     e = req(4, tokens=[50, 51, 52, 53] + list(range(4, 12)))
     assert bm.find_cached_prefix(e) == []
-    assert bm.num_hits == 4 * (2 + 1 + 1) and bm.num_queries == 10 + 11 + 9 + 8 + 12
 
 
 def test_shared_cached_blocks_refcounts_and_reuse_after_finish():

@@ -142,3 +142,20 @@ def test_priority_policy_admits_and_preempts_by_priority():
     run_step(s3)
     out = run_step(s3)                             # lo runs first in the batch but is the victim
     assert out.preempted == ["r0"] and [e.req_id for e in out.scheduled] == ["r1"]
+
+
+def test_same_prefix_requests_wait_for_the_blocks_being_computed():
+    s, bm = make(block_size=4, budget=8, caching=True)
+    shared = list(range(1, 13))
+    a = add(s, 0, 0, tokens=shared + [50, 51])
+    b = add(s, 1, 0, tokens=shared + [60, 61])
+    c = add(s, 2, 0, tokens=[99] * 6)               # unrelated: not held back
+    out = run_step(s)
+    # a takes the whole budget; b would compute a's blocks again, so it waits
+    assert [e.req_id for e in out.scheduled] == ["r0"]
+    assert [r.req_id for r in s.waiting] == ["r1", "r2"]
+    out = run_step(s)
+    # a's first 8 tokens are cached now: b starts after them instead of from 0
+    assert [(e.req_id, e.start_pos, len(e.token_ids)) for e in out.scheduled] == [("r0", 8, 6), ("r1", 8, 2)]
+    assert b.metrics.num_cached_tokens == 8 and bm.num_hits == 8 and bm.num_queries == 14 + 14
+    bm.check_integrity(list(s.requests.values()))

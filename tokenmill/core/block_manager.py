@@ -69,9 +69,12 @@ class BlockManager:
                 break
             hits.append(block)
             parent = self.key_id[block]
-        self.num_queries += req.num_tokens
-        self.num_hits += len(hits) * bs
         return hits
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Record one admitted request's prompt lookup (the prefix-cache query/hit counters)."""
+        self.num_queries += num_tokens
+        self.num_hits += num_hit_tokens
 
     # ---------------------------------------------------------------- allocation
     def num_blocks_needed(self, req: Request, num_tokens: int, num_cached: int = 0) -> int:

@@ -94,13 +94,31 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        while (not out.preempted and self.waiting and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            req = self._next_waiting()
-            cached = self.block_manager.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            num_cached = len(cached) * self.block_manager.block_size
+        if not out.preempted:
+            budget = self._admit(budget, scheduled)
+        out.scheduled = list(scheduled.values())
+        return out
+
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+        """Waiting requests join in policy order while budget, seats and blocks last. A request
+        whose first block is being prefilled right now (by a running request, or one admitted in
+        this step) waits instead of computing the same prefix again: it will find those blocks in
+        the cache once they are computed."""
+        bm = self.block_manager
+        order = list(self.waiting) if self.config.policy == "fcfs" else \
+            sorted(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
+        in_flight = {tuple(r.token_ids[:bm.block_size]) for r in self.running
+                     if r.num_computed_tokens < r.prompt_len} if bm.enable_prefix_caching else set()
+        for req in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cached = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            head = tuple(req.token_ids[:bm.block_size])
+            if not cached and req.num_tokens > bm.block_size and head in in_flight:
+                continue
+            num_cached = len(cached) * bm.block_size
             num_new = min(req.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(req, num_cached + num_new, cached):
+            if not bm.allocate(req, num_cached + num_new, cached):
                 break
             self.waiting.remove(req)
             req.num_computed_tokens = num_cached
@@ -110,13 +128,10 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.req_id] = self._entry(req, num_new)
             budget -= num_new
-        out.scheduled = list(scheduled.values())
-        return out
-
-    def _next_waiting(self) -> Request:
-        if self.config.policy == "fcfs":
-            return self.waiting[0]
-        return min(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
+            bm.count_lookup(req.num_tokens, num_cached)
+            if bm.enable_prefix_caching:
+                in_flight.add(head)  # its blocks are cached once computed: same-prefix requests wait
+        return budget
 
     def _victim(self) -> Request:
         if self.config.policy == "fcfs":
