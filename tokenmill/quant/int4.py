@@ -3,7 +3,7 @@
 
 Stored in PyTorch's CPU int4 layout, multiplied with `torch._weight_int4pack_mm_for_cpu`. That
 kernel dequantizes as (q - 8) * scale + zero, so zero = min + 8 * scale. It runs fast only with
-bfloat16 activations (measured here: 28 us vs 980 us in float32 for a 1536x576 matrix), so inputs
+bfloat16 activations (benchmarks/kernels.py: 28 us vs ~920 us in float32 for a 1536x576 matrix), so inputs
 are cast to bfloat16 for the product and the result back to the model's dtype.
 """
 from __future__ import annotations
