@@ -151,10 +151,6 @@ class BlockManager:
         req.block_table = []
         req.block_hashes = []
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.free_blocks):
-            self._evict(block)
-
     # ---------------------------------------------------------------- invariants
     def check_integrity(self, live: list[Request]) -> None:
         """Every block is free (count 0) or referenced exactly as often as live requests hold it,

@@ -108,10 +108,6 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    @property
-    def is_idle(self) -> bool:
-        return not self._streams and self._cmds.empty()
-
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self.engine

@@ -154,10 +154,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.parents)
-
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         bm = self.block_manager

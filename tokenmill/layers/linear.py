@@ -93,4 +93,3 @@ class FusedLinear(Linear):
         for name, size in shards.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
-        self.split_sizes = list(shards.values())

@@ -25,7 +25,6 @@ class LoadedModel:
     model: CausalLM
     arch: ArchConfig
     tokenizer: Tokenizer | None
-    source_dtype: torch.dtype  # what the checkpoint stores (GGUF: float32 after dequantization)
 
 
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
@@ -101,7 +100,7 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool) 
                                                                        torch.float32)
     model = _build(arch, resolve_dtype(dtype, src, device), device, _safetensors_weights(files))
     tok = Tokenizer.from_hf_dir(path) if load_tokenizer else None
-    return LoadedModel(model, arch, tok, src)
+    return LoadedModel(model, arch, tok)
 
 
 def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,4 +124,4 @@ def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool
     model = _build(arch, resolve_dtype(dtype, torch.float32, device), device,
                    g.hf_weights(arch.num_heads, arch.num_kv_heads))
     tok = Tokenizer.from_gguf(g.meta) if load_tokenizer else None
-    return LoadedModel(model, arch, tok, torch.float32)
+    return LoadedModel(model, arch, tok)

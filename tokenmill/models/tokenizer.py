@@ -57,9 +57,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def id_to_token(self, token_id: int) -> str | None:
-        return self.tok.id_to_token(token_id)
-
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list | None = None, **kwargs) -> str:
         if not self.chat_template:
