@@ -71,3 +71,24 @@ def llm(default_model):
     from tokenmill import LLM
 
     return LLM(default_model, dtype="float32", quantization="none", kv_cache_memory="1GiB")
+
+
+def add_byte_tokenizer(path: str) -> str:
+    """Give a tiny model (vocab 256) a byte-level tokenizer: one token per byte, so any text
+    tokenizes and the compression commands can calibrate on real files."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+    from tokenmill.models.tokenizer import Tokenizer, _bytes_to_unicode
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    Tokenizer(tok, None, None, {0}, None).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_tok(tmp_path_factory) -> str:
+    """The tiny Llama with a byte tokenizer: a model every command (quantize, prune, serve) accepts."""
+    return add_byte_tokenizer(make_tiny_hf("llama", str(tmp_path_factory.mktemp("llama_tok"))))

@@ -1,5 +1,5 @@
 """Dependency direction (DESIGN.md): core/ never imports torch; server/ never imports torch,
-runner/, layers/ or models/. Checked on the source with `ast`, so a violation cannot hide."""
+runner/, layers/ or models/; compress/ stays off the serving stack; quant/ off models and tools. Checked on the source with `ast`, so a violation cannot hide."""
 import ast
 import pathlib
 
@@ -9,6 +9,10 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "tokenmill"
 RULES = {
     "core": ("torch", "tokenmill.runner", "tokenmill.layers", "tokenmill.models", "tokenmill.engine"),
     "server": ("torch", "tokenmill.runner", "tokenmill.layers", "tokenmill.models"),
+    # offline compression works on models directly, never through the serving stack
+    "compress": ("tokenmill.server", "tokenmill.engine", "tokenmill.runner"),
+    # kernels and checkpoint formats know nothing of models or of the tools that write them
+    "quant": ("tokenmill.models", "tokenmill.compress", "tokenmill.engine", "tokenmill.server"),
 }
 
 

@@ -220,6 +220,73 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compress(args: argparse.Namespace) -> int:
+    from tokenmill.compress import commands
+
+    run = {"quantize": commands.run_quantize, "prune": commands.run_prune, "distill": commands.run_distill}
+    report = run[args.cmd](args)
+    _emit({k: v for k, v in report.items() if k != "history"}, args.output_json)
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _compress_parsers(sub) -> None:
+    """quantize | prune | distill: each writes a Hugging Face checkpoint directory, atomically."""
+    calib_help = "calibration text (default: ../shared/data/wikitext-2/valid.txt)"
+
+    def common(p: argparse.ArgumentParser, dtype: str) -> None:
+        p.add_argument("--output", required=True, help="directory to write (must not exist or be empty)")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+        p.add_argument("--dtype", default=dtype, choices=["float32", "bfloat16", "float16"],
+                       help="dtype of the float tensors written")
+        p.add_argument("--output-json", default=None, help="also write the report here")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+        p.set_defaults(func=cmd_compress)
+
+    q = sub.add_parser("quantize", help="quantize a float model: rtn-int8, rtn-int4, awq, gptq")
+    q.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
+    q.add_argument("--method", required=True, help="rtn-int8 | rtn-int4 | awq | gptq")
+    q.add_argument("--group-size", type=int, default=128, help="inputs per int4 scale (32, 64, 128, 256)")
+    q.add_argument("--allow-partial-groups", action="store_true",
+                   help="accept a group size that does not divide an input dimension (shorter last group)")
+    q.add_argument("--calib", default=None, help=calib_help)
+    q.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
+    q.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    q.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing activation energy")
+    q.add_argument("--damp", type=float, default=0.01, help="GPTQ: Hessian damping (fraction of mean diagonal)")
+    common(q, "float16")
+
+    pr = sub.add_parser("prune", help="prune: magnitude, wanda, 2:4, heads, ffn, layers")
+    pr.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
+    pr.add_argument("--method", required=True, help="magnitude | wanda | 2:4 | heads | ffn | layers")
+    pr.add_argument("--sparsity", type=float, default=None,
+                    help="fraction in (0, 1): of weights (magnitude, wanda), of query heads per KV group (heads), "
+                         "of FFN channels (ffn), of layers (layers); 2:4 is 0.5")
+    pr.add_argument("--calib", default=None, help=calib_help)
+    pr.add_argument("--calib-samples", type=int, default=64)
+    pr.add_argument("--calib-seq-len", type=int, default=512)
+    common(pr, "bfloat16")
+
+    d = sub.add_parser("distill", help="knowledge distillation of a student from a teacher")
+    d.add_argument("--teacher", default=None, help="teacher model (default: the default model)")
+    d.add_argument("--student", required=True, help="student model (e.g. a pruned checkpoint)")
+    d.add_argument("--data", default=None, help="training text (default: ../shared/data/wikitext-2/valid.txt)")
+    d.add_argument("--eval-data", default=None, help="text for the periodic perplexity (e.g. wikitext-2/test.txt)")
+    d.add_argument("--eval-tokens", type=int, default=4096, help="tokens of --eval-data scored each time")
+    d.add_argument("--eval-every", type=int, default=50, help="steps between perplexity evaluations (0: never)")
+    d.add_argument("--steps", type=int, required=True)
+    d.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+    d.add_argument("--seq-len", type=int, default=256)
+    d.add_argument("--lr", type=float, default=2e-4)
+    d.add_argument("--warmup-steps", type=int, default=10)
+    d.add_argument("--temperature", type=float, default=2.0, help="softening of both distributions in the KL")
+    d.add_argument("--hidden-loss-weight", type=float, default=0.0, help="weight of the final-hidden-state MSE")
+    d.add_argument("--save-every", type=int, default=25, help="steps between resumable checkpoints")
+    d.add_argument("--checkpoint-dir", default=None, help="resume state (default: OUTPUT.ckpt; removed when done)")
+    d.add_argument("--seed", type=int, default=0)
+    common(d, "bfloat16")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenmill", description="Fast LLM inference with vLLM's API.")
     p.add_argument("--log-level", default="INFO")
@@ -263,10 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
     pp.add_argument("--dtype", default="auto")
     pp.add_argument("--device", default="auto")
-    pp.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 (as for serving)")
+    pp.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 | awq | gptq (as for serving)")
     pp.add_argument("--quantization-group-size", type=int, default=32)
     pp.add_argument("--output-json", default=None)
     pp.set_defaults(func=cmd_eval)
+
+    _compress_parsers(sub)
 
     b = sub.add_parser("bench", help="benchmarks: latency, throughput (offline), serve (any OpenAI server)")
     bsub = b.add_subparsers(dest="bench", required=True)

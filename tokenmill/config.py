@@ -27,8 +27,9 @@ class ModelConfig:
     skip_tokenizer_init: bool = field(default=False, metadata=_help(
         "load no tokenizer; prompts must then be token ids"))
     quantization: str = field(default="auto", metadata=_help(
-        "auto | none | int8 | int4. auto: GGUF Q4_0/Q4_1 stay int4 (exact), other GGUF block types become "
-        "int8, float checkpoints stay float; int8/int4 also quantize float weights at load (round-to-nearest); "
+        "auto | none | int8 | int4 | awq | gptq. auto: GGUF Q4_0/Q4_1 and AWQ/GPTQ 4-bit checkpoints stay "
+        "int4 (exact), 8-bit GPTQ stays int8, other GGUF block types become int8, float checkpoints stay float; "
+        "awq/gptq: as auto, and the checkpoint must be of that format; int8/int4 also quantize float weights at load (round-to-nearest); "
         "none: everything dequantized to float (CPU only; other devices always use float)"))
     quantization_group_size: int = field(default=32, metadata=_help(
         "group size of int4 round-to-nearest quantization at load"))

@@ -14,7 +14,8 @@ from torch import nn
 
 from tokenmill.quant import int4, int8
 
-QUANT_POLICIES = ("auto", "none", "int8", "int4")
+QUANT_POLICIES = ("auto", "none", "int8", "int4", "awq", "gptq")
+PREQUANTIZED = ("awq", "gptq")  # policies that name a checkpoint's format: they load its weights as stored
 # PyTorch's int4/int8 CPU kernels cost time linear in the rows of x (no reuse of the unpacked weight
 # across rows): 28 us at 1 row, 900 us at 64 for a 1536x576 matrix, where a float GEMM takes 520 us.
 # Past this many rows a layer that kept its float weight uses that instead.
@@ -30,15 +31,25 @@ class Linear(nn.Module):
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         self.qweight: int4.Int4Weight | int8.Int8Weight | None = None
         self.float_weight: torch.Tensor | None = None  # kept for large batches when asked
+        self.input_perm: torch.Tensor | None = None  # act-order GPTQ: inputs reordered so groups are contiguous
         self._int4_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._int8_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._input_perms: dict[str | None, torch.Tensor | None] = {}
         self.quantized_source = False  # some shard was stored quantized in the checkpoint
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None,
-                      int4_parts: tuple | None = None, quantized: bool = False) -> None:
+                      int4_parts: tuple | None = None, int8_parts: tuple | None = None,
+                      input_perm: torch.Tensor | None = None, quantized: bool = False) -> None:
+        """`int4_parts` (q, scale, min) / `int8_parts` (q, scale): the exact quantized form of
+        `loaded` (which is its dequantized float), kept so that `quantize` need not round again;
+        `input_perm`: the input order the int4 parts are stored in (act-order GPTQ)."""
         if param is self.weight:
             self.quantized_source |= quantized
             if int4_parts is not None:
                 self._int4_parts[shard] = int4_parts
+                self._input_perms[shard] = input_perm
+            if int8_parts is not None:
+                self._int8_parts[shard] = int8_parts
         if shard is None:
             if param.shape != loaded.shape:
                 raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
@@ -52,27 +63,38 @@ class Linear(nn.Module):
 
     def quantize(self, policy: str, group_size: int, allow_int4: bool = True, keep_float: bool = False) -> None:
         """Replace the float weight by a quantized one according to `policy`:
-        auto: exact int4 where the checkpoint had 4-bit blocks, int8 for other quantized tensors;
+        auto (awq, gptq): exact int4/int8 where the checkpoint stored those (GGUF Q4_0/Q4_1, AWQ, GPTQ),
+        int8 for other quantized tensors;
         int8 / int4: round-to-nearest for the rest too; none: keep float."""
         if policy == "int4" and group_size not in int4.GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {int4.GROUP_SIZES}, got {group_size}.")
         expected = list(self.shard_offsets) or [None]
         allow_int4 = allow_int4 and self.out_features % 16 == 0  # the CPU packing works on 16-row tiles
-        exact = allow_int4 and all(s in self._int4_parts for s in expected)
+        exact = allow_int4 and all(s in self._int4_parts for s in expected) and self._same_perm(expected)
         if policy == "none":
             pass
         elif exact:
             parts = [self._int4_parts[s] for s in expected]
             q, scale, minimum = (torch.cat([p[i] for p in parts]) for i in range(3))
             self.qweight = int4.pack(q, scale, minimum, self.in_features // scale.shape[1])
+            self.input_perm = self._input_perms[expected[0]]
+        elif all(s in self._int8_parts for s in expected):
+            q, scale = (torch.cat([self._int8_parts[s][i] for s in expected]) for i in range(2))
+            self.qweight = int8.Int8Weight(q.contiguous(), scale.to(torch.bfloat16), *q.shape)
         elif policy == "int4" and allow_int4:
             self.qweight = int4.pack(*int4.quantize_rtn(self.weight.data, group_size), group_size)
-        elif policy in ("int8", "int4") or (policy == "auto" and self.quantized_source):
+        elif policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and self.quantized_source):
             self.qweight = int8.quantize_rtn(self.weight.data)
-        self._int4_parts = {}
+        self._int4_parts, self._int8_parts, self._input_perms = {}, {}, {}
         if self.qweight is not None:
             self.float_weight = self.weight.data if keep_float else None
             self.weight = None
+
+    def _same_perm(self, shards: list) -> bool:
+        """Fused shards run as one int4 matrix only if their inputs share one order."""
+        perms = [self._input_perms.get(s) for s in shards]
+        return all((p is None and perms[0] is None) or (p is not None and perms[0] is not None
+                                                        and torch.equal(p, perms[0])) for p in perms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qweight
@@ -80,6 +102,8 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         if self.float_weight is not None and x.numel() > FLOAT_MIN_ROWS * self.in_features:
             return F.linear(x, self.float_weight, self.bias)
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         y = int4.matmul(x, q) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q)
         return y if self.bias is None else y + self.bias
 

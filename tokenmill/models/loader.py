@@ -13,7 +13,8 @@ from typing import Iterator
 
 import torch
 
-from tokenmill.layers.linear import QUANT_POLICIES
+from tokenmill.layers.linear import PREQUANTIZED, QUANT_POLICIES
+from tokenmill.models import hf_quant
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.gguf_loader import GGUFFile, is_gguf
 from tokenmill.models.llama import CausalLM, load_weights
@@ -34,27 +35,41 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
     PyTorch's CPU ones; on other devices weights stay in the model dtype."""
     if quantization not in QUANT_POLICIES:
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
+    loaded = _load(path, dtype, device, load_tokenizer, quantization)
     if device.type != "cpu":
         quantization = "none"
-    loaded = _load(path, dtype, device, load_tokenizer)
     loaded.model.quantize(quantization, group_size, keep_float)
     return loaded
 
 
-def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool) -> LoadedModel:
+def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str) -> LoadedModel:
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist.")
     if os.path.isfile(path):
         if not is_gguf(path):
             raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory.")
+        _refuse_prequant(quantization, None, path)
         return _load_gguf(path, dtype, device, load_tokenizer)
     if not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) == 1:
+            _refuse_prequant(quantization, None, path)
             return _load_gguf(ggufs[0], dtype, device, load_tokenizer)
         raise ValueError(f"{path} has no config.json (and not exactly one .gguf file); "
                          "point --model at a Hugging Face model directory or a .gguf file.")
-    return _load_hf(path, dtype, device, load_tokenizer)
+    return _load_hf(path, dtype, device, load_tokenizer, quantization)
+
+
+def _refuse_prequant(quantization: str, found: str | None, path: str) -> None:
+    """`quantization="awq"/"gptq"` names the checkpoint's format; it must be what the files hold,
+    and a pre-quantized checkpoint is not re-quantized by another method."""
+    if quantization in PREQUANTIZED and quantization != found:
+        raise ValueError(f"quantization={quantization!r} needs a {quantization.upper()} checkpoint (config.json "
+                         f"with quantization_config.quant_method={quantization!r}); {path} is "
+                         f"{'a ' + found.upper() + ' checkpoint' if found else 'not one'}.")
+    if found and quantization in ("int8", "int4"):
+        raise ValueError(f"{path} is already {found.upper()}-quantized; load it with quantization='auto' or "
+                         f"{found!r} (or 'none' for its dequantized float weights), not {quantization!r}.")
 
 
 def resolve_dtype(dtype: str, source: torch.dtype, device: torch.device) -> torch.dtype:
@@ -85,7 +100,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     return model.eval()
 
 
-def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool) -> LoadedModel:
+def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str) -> LoadedModel:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         try:
             cfg = json.load(f)
@@ -98,7 +113,13 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool) 
                          "they can execute code; convert them to safetensors).")
     src = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(cfg.get("torch_dtype") or cfg.get("dtype"),
                                                                        torch.float32)
-    model = _build(arch, resolve_dtype(dtype, src, device), device, _safetensors_weights(files))
+    weights = _safetensors_weights(files)
+    qcfg = cfg.get("quantization_config")
+    prequant = hf_quant.PrequantConfig.from_hf(qcfg) if qcfg else None
+    _refuse_prequant(quantization, prequant.method if prequant else None, path)
+    if prequant is not None:
+        weights = hf_quant.convert(weights, prequant)
+    model = _build(arch, resolve_dtype(dtype, src, device), device, weights)
     tok = Tokenizer.from_hf_dir(path) if load_tokenizer else None
     return LoadedModel(model, arch, tok)
 

@@ -64,6 +64,17 @@ class Tokenizer:
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
         return chat_template.render(self.chat_template, messages, add_generation_prompt, special, tools, **kwargs)
 
+    def save(self, path: str) -> None:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json, which
+        `from_hf_dir` (and transformers) read back: a GGUF model's tokenizer becomes a HF one."""
+        self.tok.save(os.path.join(path, "tokenizer.json"))
+        cfg = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template,
+               "tokenizer_class": "PreTrainedTokenizerFast"}
+        with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump({k: v for k, v in cfg.items() if v is not None}, f, indent=2, ensure_ascii=False)
+        with open(os.path.join(path, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"eos_token_id": sorted(self.eos_token_ids)}, f, indent=2)
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_hf_dir(cls, path: str) -> "Tokenizer":

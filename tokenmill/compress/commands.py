@@ -1,0 +1,132 @@
+"""The compression commands behind `tokenmill quantize | prune | distill`: check every input
+first, do the work, write the result through `export.atomic_output_dir`, load it back once to
+prove it serves, and return a JSON-able report (also saved as compression.json)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from tokenmill.compress import calib, export
+from tokenmill.models import loader
+from tokenmill.utils import default_model_path, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def _load_float(path: str | None, device: str = "cpu") -> loader.LoadedModel:
+    return loader.load(path or default_model_path(), "float32", resolve_device(device), quantization="none")
+
+
+def _tokens(loaded: loader.LoadedModel, path: str) -> list[int]:
+    if loaded.tokenizer is None:
+        raise ValueError("the model has no tokenizer; calibration text cannot be tokenized.")
+    return loaded.tokenizer.encode(calib.read_text(path), add_special_tokens=False)
+
+
+def _source_report(loaded: loader.LoadedModel, path: str | None) -> dict:
+    return {"source": os.path.abspath(path or default_model_path()),
+            "source_parameters": export.count_parameters(loaded.model)}
+
+
+def _verify(out_dir: str) -> None:
+    """Load the written checkpoint back and run it: a model that cannot be served is not an output."""
+    back = loader.load(out_dir, "float32", torch.device("cpu"))
+    ids = torch.arange(min(8, back.arch.vocab_size))
+    logits = back.model.compute_logits(back.model(ids, torch.arange(ids.numel())))
+    if not torch.isfinite(logits).all():
+        raise ValueError("the compressed model produces non-finite logits; nothing was written.")
+
+
+def run_quantize(args: argparse.Namespace) -> dict:
+    from tokenmill.compress import quantize as q
+
+    export.check_output_dir(args.output, args.overwrite)
+    cfg = q.QuantizeConfig(args.method, args.group_size, args.calib_samples, args.calib_seq_len, args.act_order,
+                           args.damp, args.allow_partial_groups)
+    calib_path = args.calib or calib.default_calibration_file()
+    if cfg.method in ("awq", "gptq"):
+        calib.read_text(calib_path)  # fail on a missing file before loading anything
+    loaded = _load_float(args.model)
+    cfg.validate(loaded.model)
+    t0 = time.perf_counter()
+    samples = calib.windows(_tokens(loaded, calib_path), cfg.calib_samples, cfg.calib_seq_len) \
+        if cfg.calibrated else None
+    report = {"command": "quantize", "method": cfg.method, "group_size": cfg.group_size if cfg.bits == 4 else -1,
+              "bits": cfg.bits, "act_order": cfg.act_order, **_source_report(loaded, args.model),
+              "calibration": {"file": os.path.abspath(calib_path), "samples": cfg.calib_samples,
+                              "seq_len": cfg.calib_seq_len} if samples else None}
+    results = q.quantize_model(loaded.model, cfg, samples, progress=not args.quiet)
+    tensors = export.float_tensors(loaded.model, skip=set(results))
+    tensors.update(q.checkpoint_tensors(loaded.model, results, cfg))
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    report["parameters"] = report["source_parameters"]
+    with export.atomic_output_dir(args.output, args.overwrite) as tmp:
+        export.write_checkpoint(tmp, loaded.arch, loaded.tokenizer, tensors, args.dtype,
+                                cfg.hf_quantization_config(), report)
+        _verify(tmp)
+    return report
+
+
+def run_prune(args: argparse.Namespace) -> dict:
+    from tokenmill.compress import prune
+
+    export.check_output_dir(args.output, args.overwrite)
+    sparsity = prune.validate(args.method, args.sparsity)
+    calib_path = args.calib or calib.default_calibration_file()
+    if prune.needs_calibration(args.method):
+        calib.read_text(calib_path)
+    loaded = _load_float(args.model)
+    t0 = time.perf_counter()
+    samples = calib.windows(_tokens(loaded, calib_path), args.calib_samples, args.calib_seq_len) \
+        if prune.needs_calibration(args.method) else None
+    report = {"command": "prune", "method": args.method, "sparsity": sparsity, **_source_report(loaded, args.model)}
+    if args.method in prune.STRUCTURED:
+        arch, tensors, info = prune.prune_structured(loaded.model, args.method, sparsity, samples)
+    else:
+        info = prune.prune_unstructured(loaded.model, args.method, sparsity, samples)
+        arch, tensors = loaded.arch, export.float_tensors(loaded.model)
+    report.update(info, elapsed_s=round(time.perf_counter() - t0, 1))
+    report["parameters"] = sum(t.numel() for t in tensors.values())
+    report["parameter_reduction"] = round(1 - report["parameters"] / report["source_parameters"], 4)
+    with export.atomic_output_dir(args.output, args.overwrite) as tmp:
+        export.write_checkpoint(tmp, arch, loaded.tokenizer, tensors, args.dtype, None, report)
+        _verify(tmp)
+    return report
+
+
+def run_distill(args: argparse.Namespace) -> dict:
+    from tokenmill.compress import distill
+
+    export.check_output_dir(args.output, args.overwrite)
+    cfg = distill.DistillConfig(args.steps, args.batch_size, args.seq_len, args.lr, args.warmup_steps,
+                                args.temperature, args.hidden_loss_weight, args.eval_every, args.eval_tokens,
+                                args.save_every, args.seed)
+    cfg.validate()
+    data = args.data or calib.default_calibration_file()
+    calib.read_text(data)
+    if args.eval_data:
+        calib.read_text(args.eval_data)
+    teacher = _load_float(args.teacher)
+    student = _load_float(args.student)
+    train_ids = _tokens(student, data)
+    eval_ids = _tokens(student, args.eval_data)[: cfg.eval_tokens] if args.eval_data else None
+    work_dir = args.checkpoint_dir or os.path.abspath(args.output).rstrip("/") + ".ckpt"
+    t0 = time.perf_counter()
+    history = distill.distill(teacher.model, student.model, train_ids, eval_ids, cfg, work_dir,
+                              progress=not args.quiet)
+    report = {"command": "distill", "teacher": os.path.abspath(args.teacher or default_model_path()),
+              "student": os.path.abspath(args.student), "data": os.path.abspath(data),
+              "eval_data": os.path.abspath(args.eval_data) if args.eval_data else None,
+              "config": cfg.__dict__, "elapsed_s": round(time.perf_counter() - t0, 1), "history": history}
+    tensors = export.float_tensors(student.model)
+    report["parameters"] = sum(t.numel() for t in tensors.values())
+    with export.atomic_output_dir(args.output, args.overwrite) as tmp:
+        export.write_checkpoint(tmp, student.arch, student.tokenizer, tensors, args.dtype, None, report)
+        _verify(tmp)
+    shutil.rmtree(work_dir, ignore_errors=True)  # the run is complete: its resume state has served
+    return report

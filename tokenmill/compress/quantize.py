@@ -1,0 +1,181 @@
+"""`tokenmill quantize`: a float model -> an AWQ or GPTQ checkpoint (or an RTN baseline in the
+GPTQ layout) that `LLM(model=dir)` serves with the int4/int8 kernels and other engines read.
+
+Calibrated methods walk the model one decoder layer at a time (`calib.LayerWalk`): record the
+layer's linear inputs, quantize its four linear layers (fused QKV, O, fused gate/up, down), put
+the dequantized weights back, and feed the next layer what the quantized layer outputs.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.compress import qalgo
+from tokenmill.compress.calib import LayerWalk, linears
+from tokenmill.compress.export import split_rows
+from tokenmill.layers.linear import Linear
+from tokenmill.models.llama import CausalLM, DecoderLayer
+from tokenmill.quant import int4, packed
+
+log = logging.getLogger(__name__)
+METHODS = ("rtn-int8", "rtn-int4", "awq", "gptq")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig:
+    method: str
+    group_size: int = 128
+    calib_samples: int = 128
+    calib_seq_len: int = 512
+    act_order: bool = False            # GPTQ: quantize columns by decreasing activation energy
+    damp: float = 0.01                 # GPTQ: diagonal damping, a fraction of the mean diagonal
+    allow_partial_groups: bool = False  # a group size that does not divide K: the last group is shorter
+    awq_rows: int = 4096               # AWQ: input rows sampled for the scale search (512 for clipping)
+
+    @property
+    def bits(self) -> int:
+        return 8 if self.method == "rtn-int8" else 4
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method in ("awq", "gptq")
+
+    def validate(self, model: CausalLM) -> None:
+        """Every reason to refuse, before any work is done."""
+        if self.method not in METHODS:
+            raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}.")
+        if self.calibrated and (self.calib_samples < 1 or self.calib_seq_len < 16):
+            raise ValueError("need --calib-samples >= 1 and --calib-seq-len >= 16.")
+        if not 0 < self.damp < 1:
+            raise ValueError(f"--damp must lie in (0, 1), got {self.damp}.")
+        if self.method == "rtn-int8":
+            return  # per output channel: no groups
+        if self.group_size not in int4.GROUP_SIZES:
+            raise ValueError(f"--group-size must be one of {list(int4.GROUP_SIZES)} (what the int4 kernels run), "
+                             f"got {self.group_size}.")
+        dims = sorted({m.in_features for m in model.modules() if isinstance(m, Linear) and m is not model.lm_head})
+        bad = [k for k in dims if k % self.group_size]
+        if bad and not self.allow_partial_groups:
+            ok = [g for g in int4.GROUP_SIZES if all(k % g == 0 for k in dims)]
+            raise ValueError(f"group size {self.group_size} does not divide the input dimension {bad[0]} of this "
+                             f"model's linear layers (input dimensions: {dims}); use one of {ok}, or pass "
+                             f"--allow-partial-groups to quantize the last {bad[0] % self.group_size} inputs of "
+                             "such rows as a shorter group (GPTQ's convention; AutoAWQ-style loaders refuse it).")
+        if any(k % 32 for k in dims):
+            raise ValueError(f"input dimensions {dims} are not multiples of 32; the int4 kernels cannot run them.")
+
+    def hf_quantization_config(self) -> dict:
+        if self.method == "awq":
+            return {"quant_method": "awq", "bits": 4, "group_size": self.group_size, "zero_point": True,
+                    "version": "gemm", "modules_to_not_convert": None}
+        group = -1 if self.method == "rtn-int8" else self.group_size
+        return {"quant_method": "gptq", "bits": self.bits, "group_size": group, "sym": self.method == "rtn-int8",
+                "desc_act": self.method == "gptq" and self.act_order, "damp_percent": self.damp,
+                "true_sequential": False, "checkpoint_format": "gptq",
+                "quantizer": [f"tokenmill:{self.method}"]}
+
+
+def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Tensor] | None,
+                   progress: bool = True) -> dict[str, qalgo.QuantizedWeight]:
+    """Quantize every decoder linear layer in place (weights become their dequantized values, AWQ
+    scales are folded into the preceding norms / projections) and return the integer forms by
+    module name. Embeddings, norms and the output projection stay float, as in AWQ and GPTQ."""
+    cfg.validate(model)
+    layers = list(model.model.layers)
+    walk = LayerWalk(model, samples) if cfg.calibrated else None
+    results: dict[str, qalgo.QuantizedWeight] = {}
+    bar = _bar(len(layers), f"quantize {cfg.method}", progress)
+    for i, layer in enumerate(layers):
+        if cfg.method == "gptq":
+            stats = walk.stats(layer, want_xtx=True)
+            for name, m in linears(layer).items():
+                results[f"model.layers.{i}.{name}"] = _apply(
+                    m, qalgo.gptq(m.weight.data, stats[name].xtx, 4, cfg.group_size, act_order=cfg.act_order,
+                                  damp=cfg.damp))
+        elif cfg.method == "awq":
+            results.update({f"model.layers.{i}.{n}": q for n, q in _awq_layer(model, layer, walk, cfg).items()})
+        else:
+            for name, m in linears(layer).items():
+                group = -1 if cfg.method == "rtn-int8" else cfg.group_size
+                results[f"model.layers.{i}.{name}"] = _apply(
+                    m, qalgo.rtn(m.weight.data, cfg.bits, group, sym=cfg.method == "rtn-int8"))
+        if walk is not None:
+            walk.advance(layer)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return results
+
+
+def _apply(m: Linear, qw: qalgo.QuantizedWeight) -> qalgo.QuantizedWeight:
+    m.weight.data.copy_(qw.dequantize())
+    return qw
+
+
+def _awq_layer(model: CausalLM, layer: DecoderLayer, walk: LayerWalk, cfg: QuantizeConfig
+               ) -> dict[str, qalgo.QuantizedWeight]:
+    """Scale search for the four input groups on float weights, fold the scales into what
+    precedes each group, clip search on the scaled weights, then round."""
+    stats = walk.stats(layer, max_rows=cfg.awq_rows)
+    mods = linears(layer)
+    attn, mlp = layer.self_attn, layer.mlp
+    scales: dict[str, torch.Tensor] = {}
+    for name, m in mods.items():
+        if name == "self_attn.o_proj" and attn.num_heads != attn.num_kv_heads:
+            continue  # o_proj's inputs come from several query heads per v row: nothing to fold into
+        scales[name], _, _ = qalgo.awq_scales(m.weight.data, stats[name].sample(), 4, cfg.group_size)
+    with torch.no_grad():
+        for name, s in scales.items():
+            mods[name].weight.data.mul_(s)
+        _fold_into_norm(layer.input_layernorm, scales["self_attn.qkv_proj"], model.cfg.norm_offset)
+        _fold_into_norm(layer.post_attention_layernorm, scales["mlp.gate_up_proj"], model.cfg.norm_offset)
+        mlp.gate_up_proj.weight.data[mlp.inter:].div_(scales["mlp.down_proj"][:, None])
+        if "self_attn.o_proj" in scales:
+            v = slice(attn.q_size + attn.kv_size, None)
+            attn.qkv_proj.weight.data[v].div_(scales["self_attn.o_proj"][:, None])
+            if attn.qkv_proj.bias is not None:
+                attn.qkv_proj.bias.data[v].div_(scales["self_attn.o_proj"])
+    out = {}
+    for name, m in mods.items():
+        clip = None
+        if name != "self_attn.qkv_proj":  # clipping q/k distorts attention scores (AWQ skips them too)
+            x = stats[name].sample()[:512]
+            if name in scales:
+                x = x / scales[name]
+            clip = qalgo.awq_clip(m.weight.data, x, 4, cfg.group_size)
+        out[name] = _apply(m, qalgo.rtn(m.weight.data, 4, cfg.group_size, clip=clip))
+    return out
+
+
+def _fold_into_norm(norm, s: torch.Tensor, offset: float) -> None:
+    """RMSNorm output times (w + offset); dividing that by s means w' = (w + offset) / s - offset."""
+    norm.weight.data.copy_((norm.weight.data + offset) / s - offset)
+
+
+def checkpoint_tensors(model: CausalLM, results: dict[str, qalgo.QuantizedWeight], cfg: QuantizeConfig
+                       ) -> dict[str, torch.Tensor]:
+    """The packed tensors of every quantized layer under Hugging Face names, fused layers split."""
+    modules = dict(model.named_modules())
+    out: dict[str, torch.Tensor] = {}
+    for name, qw in results.items():
+        m = modules[name]
+        rows = {k: split_rows(name, m, t) for k, t in (("q", qw.q), ("zeros", qw.zeros), ("scales", qw.scales))}
+        for shard in rows["q"]:
+            q, zeros, scales = rows["q"][shard], rows["zeros"][shard], rows["scales"][shard]
+            if cfg.method == "awq":
+                tensors = packed.pack_awq(q, zeros, scales)
+            else:
+                tensors = packed.pack_gptq(q, zeros, scales, qw.g_idx, cfg.bits)
+            out.update({f"{shard}.{k}": v for k, v in tensors.items()})
+    return out
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="layer")
