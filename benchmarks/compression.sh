@@ -8,7 +8,7 @@
 source "$(dirname "$0")/common.sh"
 OUT=${OUT:-$HERE/.compressed}                  # the artifacts (git-ignored)
 TOKENS=${TOKENS:-8192}                         # WikiText-2 test tokens scored
-DISTILL_STEPS=${DISTILL_STEPS:-200}
+DISTILL_STEPS=${DISTILL_STEPS:-120}
 GROUP=${GROUP:-128}                            # 576 is not a multiple of 128: last group of such rows is 64 wide
 CALIB=$SHARED/data/wikitext-2/valid.txt
 TEST=$SHARED/data/wikitext-2/test.txt
@@ -24,7 +24,7 @@ p wanda-50 --method wanda --sparsity 0.5
 p 2of4 --method 2:4
 p layers-33 --method layers --sparsity 0.34
 [ -d "$OUT/layers-33-distilled" ] || "$TM" --log-level WARNING distill --teacher "$MODEL" --student "$OUT/layers-33" \
-  --data "$CALIB" --eval-data "$TEST" --eval-tokens 4096 --eval-every 50 --steps "$DISTILL_STEPS" \
+  --data "$CALIB" --eval-data "$TEST" --eval-tokens 4096 --eval-every 20 --steps "$DISTILL_STEPS" \
   --output "$OUT/layers-33-distilled" >/dev/null
 
 measure() {  # name model quantization
