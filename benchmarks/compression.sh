@@ -51,5 +51,5 @@ measure "float (dequantized GGUF)" "$MODEL" none >> "$res"
 measure "GGUF Q4_1 as shipped (int4 g32)" "$MODEL" auto >> "$res"
 for d in rtn-int8 rtn-int4-g$GROUP awq-g$GROUP gptq-g$GROUP; do measure "$d" "$OUT/$d" auto >> "$res"; done
 for d in wanda-50 2of4 layers-33 layers-33-distilled; do measure "$d" "$OUT/$d" none >> "$res"; done
-"$PY" "$HERE/compression_report.py" "$res" "$OUT/layers-33-distilled/compression.json" "$HERE/COMPRESSION.md" \
-  "$HERE/compression.png"
+cp "$OUT/layers-33-distilled/compression.json" "$RESULTS/distill_report.json"
+"$PY" "$HERE/compression_report.py" "$res" "$RESULTS/distill_report.json" "$HERE/COMPRESSION.md" "$HERE/compression.png"

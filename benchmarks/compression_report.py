@@ -11,10 +11,17 @@ base = rows[0]
 params0 = base["parameters"] or by.get("rtn-int8", {}).get("parameters")
 
 
+def size(r):
+    """The float reference exists only in memory (dequantized from the GGUF): count it as the
+    bfloat16 checkpoint it would be, like the pruned models below."""
+    return (r["parameters"] or params0) * 2 if r is base else r["size_bytes"]
+
+
 def fmt_row(r):
     d = 100 * (r["perplexity"] / base["perplexity"] - 1)
     params = r["parameters"] or params0
-    return (f"| {r['name']} | {r['size_bytes'] / 2**20:.1f} MiB | {params / 1e6:.1f} M | {r['perplexity']:.3f} | "
+    note = " (bf16)" if r is base else ""
+    return (f"| {r['name']} | {size(r) / 2**20:.1f} MiB{note} | {params / 1e6:.1f} M | {r['perplexity']:.3f} | "
             f"{d:+.2f} % | {r['decode_tok_s']:.1f} ({r['decode_tok_s'] / base['decode_tok_s']:.2f}×) | "
             f"{r['throughput_tok_s']:.1f} ({r['throughput_tok_s'] / base['throughput_tok_s']:.2f}×) |")
 
@@ -35,7 +42,9 @@ lines = [
     "dequantized GGUF (`--quantization none`). Perplexity: `tokenmill eval ppl`, first "
     f"{base['tokens_scored'] + 1:,} tokens of WikiText-2 test, context 512, stride 256. Speed: `tokenmill bench",
     "latency` (32-token prompt, 128 tokens, batch 1) and `tokenmill bench throughput` (32 requests × 64",
-    "tokens), 2 threads, ratios against the float row of the same run. Size: the weight file(s).",
+    "tokens), 2 threads, ratios against the float row of the same run. Size: the weight file(s); the",
+    "float reference as the bfloat16 checkpoint it would be. Speed figures on this 2-core VM move by",
+    "±15 % from run to run (compare the two float-path rows wanda-50 and 2of4, identical in shape).",
     "Quantized checkpoints are served by the int4/int8 kernels (`--quantization auto`); pruned and",
     "distilled ones in float32. Calibration and distillation text: WikiText-2 *valid*; evaluation: *test*.",
     f"Group size {g}: the hidden size 576 is not a multiple of 128, so rows of 576 inputs end in one group",
@@ -67,6 +76,11 @@ lines = [
     "|---|" + "---|" * sum("eval_ppl" in h for h in hist["history"]),
     "| ppl | " + " | ".join(f"{h['eval_ppl']:.2f}" for h in hist["history"] if "eval_ppl" in h) + " |",
     "",
+    "Reading the speed columns: AWQ/GPTQ/RTN checkpoints keep the tied embedding in float (as AWQ and",
+    "GPTQ do), so every decoded token also reads the 49,152 × 576 output projection in float32, where",
+    "the shipped GGUF's quantized embedding gets an int8 copy; that is most of the decode gap between",
+    "those rows. Unstructured sparsity (Wanda, 2:4) saves nothing on CPU here: the weights stay dense.",
+    "",
     "![size vs perplexity](compression.png)",
     "",
 ]
@@ -79,8 +93,8 @@ import matplotlib.pyplot as plt
 
 fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
 for r in rows:
-    a.scatter(r["size_bytes"] / 2**20, r["perplexity"])
-    a.annotate(r["name"], (r["size_bytes"] / 2**20, r["perplexity"]), fontsize=7, xytext=(4, 3),
+    a.scatter(size(r) / 2**20, r["perplexity"])
+    a.annotate(r["name"], (size(r) / 2**20, r["perplexity"]), fontsize=7, xytext=(4, 3),
                textcoords="offset points")
 a.set_xlabel("size on disk (MiB)")
 a.set_ylabel("WikiText-2 perplexity")
