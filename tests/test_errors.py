@@ -1,6 +1,5 @@
 """Bad input gets a ValueError (or a CLI message and non-zero exit) that says what is wrong."""
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -6,8 +6,6 @@ import argparse
 import json
 import logging
 import sys
-import types
-import typing
 from dataclasses import MISSING, fields
 
 from tokenmill.config import CacheConfig, ModelConfig, SchedulingConfig

@@ -48,14 +48,12 @@ class InputStats:
     num_rows: int = 0
     xtx: torch.Tensor | None = None          # (K, K) sum of x^T x
     sq: torch.Tensor | None = None           # (K,) sum of x^2 per input channel
-    abs_sum: torch.Tensor | None = None      # (K,) sum of |x| per input channel
     rows: list[torch.Tensor] = field(default_factory=list)
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, self.in_features).float()
         self.num_rows += x.shape[0]
         self.sq = (x * x).sum(0) if self.sq is None else self.sq + (x * x).sum(0)
-        self.abs_sum = x.abs().sum(0) if self.abs_sum is None else self.abs_sum + x.abs().sum(0)
         if self.want_xtx:
             self.xtx = x.t() @ x if self.xtx is None else self.xtx.addmm_(x.t(), x)
         if self.rows_per_call:

@@ -4,7 +4,6 @@ prove it serves, and return a JSON-able report (also saved as compression.json).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import time
@@ -14,8 +13,6 @@ import torch
 from tokenmill.compress import calib, export
 from tokenmill.models import loader
 from tokenmill.utils import default_model_path, resolve_device
-
-log = logging.getLogger(__name__)
 
 
 def _load_float(path: str | None, device: str = "cpu") -> loader.LoadedModel:

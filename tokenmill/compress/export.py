@@ -144,7 +144,3 @@ def write_checkpoint(out_dir: str, arch: ArchConfig, tokenizer: Tokenizer | None
 def count_parameters(model: CausalLM) -> int:
     """Parameters of the model as a checkpoint counts them: a tied output projection once."""
     return sum(p.numel() for p in model.parameters())
-
-
-def dir_size(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)

@@ -7,7 +7,6 @@ the dequantized weights back, and feed the next layer what the quantized layer o
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,6 @@ from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import CausalLM, DecoderLayer
 from tokenmill.quant import int4, packed
 
-log = logging.getLogger(__name__)
 METHODS = ("rtn-int8", "rtn-int4", "awq", "gptq")
 
 

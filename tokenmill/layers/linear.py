@@ -92,9 +92,8 @@ class Linear(nn.Module):
 
     def _same_perm(self, shards: list) -> bool:
         """Fused shards run as one int4 matrix only if their inputs share one order."""
-        perms = [self._input_perms.get(s) for s in shards]
-        return all((p is None and perms[0] is None) or (p is not None and perms[0] is not None
-                                                        and torch.equal(p, perms[0])) for p in perms)
+        first, *rest = [self._input_perms.get(s) for s in shards]
+        return all(p is first or (p is not None and first is not None and torch.equal(p, first)) for p in rest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qweight

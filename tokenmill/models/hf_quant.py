@@ -19,7 +19,6 @@ class PrequantConfig:
     method: str        # awq | gptq
     bits: int
     group_size: int    # -1: one group per row
-    sym: bool
 
     @classmethod
     def from_hf(cls, qcfg: dict) -> "PrequantConfig":
@@ -39,7 +38,7 @@ class PrequantConfig:
         if str(qcfg.get("checkpoint_format", "gptq")).lower() not in ("gptq", "awq", "gemm"):
             raise ValueError(f"checkpoint_format {qcfg.get('checkpoint_format')!r} is not supported "
                              "(tokenmill reads the v1 'gptq' layout).")
-        return cls(method, bits, group, bool(qcfg.get("sym", False)))
+        return cls(method, bits, group)
 
 
 def convert(weights: Iterator[tuple[str, torch.Tensor]], cfg: PrequantConfig) -> Iterator[tuple]:
@@ -70,7 +69,7 @@ def _layer(prefix: str, parts: dict[str, torch.Tensor], cfg: PrequantConfig) -> 
         g_idx = None
     else:
         q, zeros, scales, g_idx = packed.unpack_gptq(parts, cfg.bits)
-    n, k = q.shape
+    k = q.shape[1]
     groups = scales.shape[1]
     if g_idx is None:
         g_idx = packed.default_g_idx(k, cfg.group_size if groups > 1 else -1)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.linear import FLOAT_MIN_ROWS, FusedLinear, Linear
+from tokenmill.layers.linear import FLOAT_MIN_ROWS, PREQUANTIZED, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.quantize(policy, group_size, allow_int4=name != "lm_head", keep_float=keep_float)
         embed_q = "model.embed_tokens.weight" in self.quantized_sources
-        if self.lm_head is None and (policy in ("int8", "int4") or (policy not in ("int8", "int4", "none") and embed_q)):
+        if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
             self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)
 
     def attention_layers(self) -> list[Attention]:
