@@ -17,9 +17,11 @@ ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--prompt", type=int, default=32)
 ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--quantization", default="auto")
+ap.add_argument("--kv-cache-dtype", default="auto")
+ap.add_argument("--no-profile", action="store_true", help="time the steps only")
 a = ap.parse_args()
 
-llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization)
+llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
 engine = llm.engine
 for i in range(a.batch):
     engine.add_request(f"r{i}", [100 + (i + j) % 40000 for j in range(a.prompt)],
@@ -33,6 +35,8 @@ for _ in range(a.steps):
     engine.step()
 step = (time.perf_counter() - t0) / a.steps
 print(f"batch {a.batch}, context ~{a.prompt}: {step * 1000:.1f} ms/step = {a.batch / step:.1f} tokens/s")
+if a.no_profile:
+    raise SystemExit
 with profile(activities=[ProfilerActivity.CPU]) as prof:
     for _ in range(a.steps):
         engine.step()

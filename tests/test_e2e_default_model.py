@@ -43,8 +43,9 @@ def test_batch_invariance_16_mixed_prompts(llm):
 
 
 def test_overflowing_kv_cache_preempts_and_still_answers_correctly(default_model):
-    # 40 blocks of 16 tokens; 12 requests of ~120 prompt + 48 output tokens need ~130 blocks at once
-    llm = LLM(default_model, dtype="float32", quantization="none", kv_cache_memory=40 * 737280,
+    # 40 blocks of 16 tokens (368,640 bytes each in float16); 12 requests of ~120 prompt + 48
+    # output tokens need ~130 blocks at once
+    llm = LLM(default_model, dtype="float32", quantization="none", kv_cache_memory=40 * 368640,
               max_num_batched_tokens=256)
     engine = llm.engine
     assert engine.block_manager.num_blocks == 40

@@ -1,5 +1,5 @@
 """Dependency direction (DESIGN.md): core/ never imports torch; server/ never imports torch,
-runner/, layers/ or models/; compress/ stays off the serving stack; quant/ off models and tools. Checked on the source with `ast`, so a violation cannot hide."""
+runner/, layers/ or models/; compress/ stays off the serving stack; quant/ off models and tools; kernels/ a leaf. Checked on the source with `ast`, so a violation cannot hide."""
 import ast
 import pathlib
 
@@ -13,6 +13,8 @@ RULES = {
     "compress": ("tokenmill.server", "tokenmill.engine", "tokenmill.runner"),
     # kernels and checkpoint formats know nothing of models or of the tools that write them
     "quant": ("tokenmill.models", "tokenmill.compress", "tokenmill.engine", "tokenmill.server"),
+    # the native kernels are a leaf: arithmetic and layouts, nothing of tokenmill above them
+    "kernels": ("tokenmill.",),
 }
 
 

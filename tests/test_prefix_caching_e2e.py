@@ -30,9 +30,9 @@ def run(llm: LLM, prompts, params):
 
 @pytest.fixture(scope="module")
 def small_cache_llms(default_model):
-    # 28 blocks of 16 tokens: 12 requests of ~200 tokens (a shared ~160-token prefix) cannot all
+    # 28 blocks of 16 tokens (368,640 bytes each in float16): 12 requests of ~200 tokens (a shared ~160-token prefix) cannot all
     # fit even when sharing it, so cached blocks get evicted and running requests preempted
-    kw = dict(dtype="float32", quantization="none", kv_cache_memory=28 * 737280, max_num_batched_tokens=256)
+    kw = dict(dtype="float32", quantization="none", kv_cache_memory=28 * 368640, max_num_batched_tokens=256)
     return LLM(default_model, **kw), LLM(default_model, enable_prefix_caching=False, **kw)
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenmill import kernels
 from tokenmill.layers.linear import FusedLinear, Linear
 from tokenmill.quant import gguf_blocks, int4, int8
 
@@ -25,26 +26,41 @@ def test_gguf_4bit_blocks_decode_exactly(kind):
     assert np.array_equal(int4.dequantize(q, scale, minimum).numpy(), ref)
 
 
+@pytest.fixture(params=["tokenmill", "torch"])
+def backend(request, monkeypatch):
+    """Both int kernels: tokenmill's own (float32, exact scales) and PyTorch's (bf16)."""
+    if request.param == "torch":
+        monkeypatch.setenv("TOKENMILL_KERNELS", "0")
+    elif not kernels.available():
+        pytest.fail("tokenmill's CPU kernels did not build (see the warning above)")
+    return request.param
+
+
 @pytest.mark.parametrize("m", [1, 5, 64])
-def test_int4_kernel_matches_dequantized_matmul(m):
+def test_int4_kernel_matches_dequantized_matmul(m, backend):
     torch.manual_seed(0)
     w = torch.randn(96, 256)
     q, scale, minimum = int4.quantize_rtn(w, 32)
     packed = int4.pack(q, scale, minimum, 32)
     x = torch.randn(m, 256)
-    # the kernel keeps scales and zeros in bfloat16: compare against that rounding
+    got = int4.matmul(x, packed)
+    assert got.dtype == torch.float32 and got.shape == (m, 96)
+    if backend == "tokenmill":  # float32 throughout: equal to dequantize + matmul up to summation order
+        assert packed.panels is not None
+        ref = x.double() @ int4.dequantize(q, scale, minimum).double().t()
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        return
+    # PyTorch's kernel keeps scales and zeros in bfloat16: compare against that rounding
     sz = packed.scales_zeros.float()
     deq = (q.float().reshape(96, 8, 32) - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]
     ref = bf16_reference(x, deq.reshape(96, 256))
-    got = int4.matmul(x, packed)
-    assert got.dtype == torch.float32 and got.shape == (m, 96)
     assert (got - ref).abs().max() <= 0.02 * ref.abs().max()
     # and RTN itself stays close to the float weight
     assert (int4.dequantize(q, scale, minimum) - w).abs().max() <= scale.max() / 2 + 1e-6
 
 
 @pytest.mark.parametrize("m", [1, 7])
-def test_int8_kernel_matches_dequantized_matmul(m):
+def test_int8_kernel_matches_dequantized_matmul(m, backend):
     torch.manual_seed(1)
     w = torch.randn(64, 128)
     qw = int8.quantize_rtn(w)
@@ -54,7 +70,7 @@ def test_int8_kernel_matches_dequantized_matmul(m):
     assert (int8.dequantize(qw) - w).abs().max() <= w.abs().max() / 127
 
 
-def test_fused_layer_packs_exact_shards_and_falls_back_to_int8():
+def test_fused_layer_packs_exact_shards_and_falls_back_to_int8(backend):
     torch.manual_seed(2)
     layer = FusedLinear(64, {"a": 32, "b": 16})
     shards = {}
@@ -123,7 +139,7 @@ def test_default_model_runs_quantized_and_stays_close(default_model):
     assert kl < 0.05, kl
 
 
-def test_keep_float_serves_large_batches_from_the_float_weight():
+def test_keep_float_serves_large_batches_from_the_float_weight(backend):
     from tokenmill.layers.linear import FLOAT_MIN_ROWS
 
     torch.manual_seed(3)

@@ -48,12 +48,18 @@ class CacheConfig:
         "CUDA: share of the card the engine may use, weights plus KV cache"))
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "reuse the KV blocks of prompts that share a prefix with earlier ones"))
+    kv_cache_dtype: str = field(default="auto", metadata=_help(
+        "auto | float32 | float16 | bfloat16: what K/V are stored as. auto: float16 on CPU (decode attention "
+        "reads half the bytes; attention always sees K/V as stored, so results do not depend on caching), "
+        "the model's dtype on CUDA"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16; got {self.kv_cache_dtype!r}.")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
 

@@ -12,6 +12,12 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 
+def _kernel_bytes(qweight) -> int:
+    """Bytes of the tensors a quantized weight's kernel reads: its panels when it has them."""
+    src = qweight.panels if getattr(qweight, "panels", None) is not None else qweight
+    return sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
+
+
 def weight_bytes_per_token(engine: LLMEngine) -> int:
     """Bytes of weights one decode step reads: every linear layer and the output head (the
     embedding table contributes one row)."""
@@ -20,12 +26,12 @@ def weight_bytes_per_token(engine: LLMEngine) -> int:
     for module in model.modules():
         q = getattr(module, "qweight", None)
         if q is not None:
-            total += sum(t.numel() * t.element_size() for t in vars(q).values() if isinstance(t, torch.Tensor))
+            total += _kernel_bytes(q)
         elif getattr(module, "weight", None) is not None and module is not model.model.embed_tokens:
             total += module.weight.numel() * module.weight.element_size()
     if model.lm_head is None:
         head = model.tied_head_q
-        total += (head.q.numel() + head.scale.numel() * 2) if head is not None else \
+        total += _kernel_bytes(head) if head is not None else \
             model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
     return total
 

@@ -72,10 +72,11 @@ class LLMEngine:
         self.max_model_len = int(mc.max_model_len or limit)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {int(limit)} tokens.")
-        num_blocks, budget = kv_cache.num_blocks_for(self.arch, cc.block_size, self.dtype, self.device,
+        self.kv_dtype = kv_cache.resolve_dtype(cc.kv_cache_dtype, self.dtype, self.device)
+        num_blocks, budget = kv_cache.num_blocks_for(self.arch, cc.block_size, self.kv_dtype, self.device,
                                                      cc.kv_cache_memory, cc.gpu_memory_utilization)
         self.block_size = cc.block_size
-        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.dtype)
+        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                                    sc.scheduling_policy), self.block_manager)
@@ -84,9 +85,9 @@ class LLMEngine:
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.kv_capacity_tokens = num_blocks * cc.block_size
         self.last_stats = StepStats()
-        log.info("loaded %s (%s, %d layers) on %s in %.1fs; KV cache %d blocks x %d = %d tokens (%.2f GiB)",
+        log.info("loaded %s (%s, %d layers) on %s in %.1fs; KV cache %d blocks x %d = %d tokens (%.2f GiB, %s)",
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
-                 num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30)
+                 num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30, str(self.kv_dtype)[6:])
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
+
 
 @dataclass
 class PrefillSegment:
@@ -33,6 +35,7 @@ class AttentionMetadata:
     decode_idx: torch.Tensor | None = None          # (B,) flat indices of single-token decodes
     decode_block_tables: torch.Tensor | None = None  # (B, max_blocks), padded with block 0
     decode_mask: torch.Tensor | None = None          # (B, 1, 1, max_blocks*block_size) bool
+    decode_context_lens: torch.Tensor | None = None  # (B,) int64 tokens in each context
     all_decode: bool = False                         # every token is a decode, in batch order
     prefills: list[PrefillSegment] = field(default_factory=list)
 
@@ -61,30 +64,38 @@ class Attention(nn.Module):
         # Views into the runner's cache, (num_blocks, block_size, num_kv_heads, head_dim) each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.use_kernel: bool | None = None  # paged decode kernel usable with this cache (found once)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
         meta = get_forward_context()
         if meta is None or self.k_cache is None:
             return _sdpa(q, k, v, self.scale, causal=True)
+        if k.dtype != self.k_cache.dtype:  # attend to K/V exactly as stored, cached or fresh
+            k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         if meta.decode_idx is not None:
             qd = q if meta.all_decode else q[meta.decode_idx]              # (B, Hq, D)
-            kd = gather_blocks(self.k_cache, meta.decode_block_tables)  # (B, L, Hkv, D)
-            vd = gather_blocks(self.v_cache, meta.decode_block_tables)
-            od = _sdpa_decode(qd, kd, vd, self.scale, meta.decode_mask)
+            if self.use_kernel is None:
+                self.use_kernel = kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
+            if self.use_kernel:  # reads the blocks in place
+                od = kernels.paged_decode_attention(qd, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                                    meta.decode_context_lens, self.scale)
+            else:
+                od = decode_reference(qd, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                      meta.decode_mask, self.scale)
             if meta.all_decode:
                 return od
             out[meta.decode_idx] = od
         for seg in meta.prefills:
             qs = q[seg.q_start:seg.q_end]
             if seg.block_table is None:
-                out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end], v[seg.q_start:seg.q_end],
-                                                   self.scale, causal=True)
+                out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end].to(q.dtype),
+                                                   v[seg.q_start:seg.q_end].to(q.dtype), self.scale, causal=True)
             else:
-                kc = gather_blocks(self.k_cache, seg.block_table[None])
-                vc = gather_blocks(self.v_cache, seg.block_table[None])
+                kc = gather_blocks(self.k_cache, seg.block_table[None]).to(q.dtype)
+                vc = gather_blocks(self.v_cache, seg.block_table[None]).to(q.dtype)
                 out[seg.q_start:seg.q_end] = _sdpa_batched(qs[None], kc, vc, self.scale, seg.mask[None, None])[0]
         return out
 
@@ -92,8 +103,17 @@ class Attention(nn.Module):
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write each token's K/V into its slot: the cache viewed as (num_slots, Hkv, D)."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gather-then-SDPA decode: copies every context into a padded (B, L, Hkv, D) batch first.
+    The path for caches the kernel does not take (CUDA, bfloat16) and its reference in tests."""
+    kd = gather_blocks(k_cache, block_tables).to(q.dtype)  # (B, L, Hkv, D)
+    vd = gather_blocks(v_cache, block_tables).to(q.dtype)
+    return _sdpa_decode(q, kd, vd, scale, mask)
 
 
 def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

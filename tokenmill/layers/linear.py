@@ -80,7 +80,7 @@ class Linear(nn.Module):
             self.input_perm = self._input_perms[expected[0]]
         elif all(s in self._int8_parts for s in expected):
             q, scale = (torch.cat([self._int8_parts[s][i] for s in expected]) for i in range(2))
-            self.qweight = int8.Int8Weight(q.contiguous(), scale.to(torch.bfloat16), *q.shape)
+            self.qweight = int8.make(q, scale)
         elif policy == "int4" and allow_int4:
             self.qweight = int4.pack(*int4.quantize_rtn(self.weight.data, group_size), group_size)
         elif policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and self.quantized_source):

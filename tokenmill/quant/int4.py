@@ -1,10 +1,12 @@
 """Group-wise asymmetric int4 weights: w = scale * q + min, q in 0..15, one (scale, min) per
 `group_size` consecutive inputs of a row — exactly GGUF's Q4_1 (Q4_0 is min = -8 * scale).
 
-Stored in PyTorch's CPU int4 layout, multiplied with `torch._weight_int4pack_mm_for_cpu`. That
-kernel dequantizes as (q - 8) * scale + zero, so zero = min + 8 * scale. It runs fast only with
-bfloat16 activations (benchmarks/kernels.py: 28 us vs ~920 us in float32 for a 1536x576 matrix), so inputs
-are cast to bfloat16 for the product and the result back to the model's dtype.
+Two layouts. Where tokenmill's CPU kernels are built (`tokenmill.kernels`), 16-row panels with
+float32 scales and mins: exact, float32 arithmetic, one dequantized weight reused by every row of
+a batch. Otherwise PyTorch's CPU int4 layout for `torch._weight_int4pack_mm_for_cpu`, which
+dequantizes as (q - 8) * scale + zero (so zero = min + 8 * scale, kept in bfloat16) and runs fast
+only with bfloat16 activations (~920 us vs 28 us in float32 for a 1536x576 matrix here), so
+inputs are cast to bfloat16 for that product and back.
 """
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import kernels
+
 
 @dataclass
 class Int4Weight:
-    packed: torch.Tensor           # uint8 (N, K/2), torch's CPU int4 packing
-    scales_zeros: torch.Tensor     # bfloat16 (K/group_size, N, 2)
     group_size: int
     out_features: int
     in_features: int
+    panels: kernels.Int4Panels | None = None   # tokenmill's kernel layout, or else:
+    packed: torch.Tensor | None = None         # uint8 (N, K/2), torch's CPU int4 packing
+    scales_zeros: torch.Tensor | None = None   # bfloat16 (K/group_size, N, 2)
 
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel accepts
@@ -30,14 +35,18 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size
     n, k = q.shape
     if k % group_size or scale.shape != (n, k // group_size):
         raise ValueError(f"int4 groups of {group_size} do not tile a ({n}, {k}) weight.")
+    if kernels.available():
+        return Int4Weight(group_size, n, k, panels=kernels.pack_int4(q, scale, minimum))
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     zero = minimum.float() + 8.0 * scale.float()
     sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (G, N, 2)
-    return Int4Weight(packed, sz, group_size, n, k)
+    return Int4Weight(group_size, n, k, packed=packed, scales_zeros=sz)
 
 
 def matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """x: (..., K) -> (..., N) in x's dtype."""
+    if w.panels is not None:
+        return kernels.int4_linear(x.float(), w.panels).to(x.dtype)
     x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
     y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group_size, w.scales_zeros)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

@@ -1,28 +1,42 @@
-"""Per-output-channel symmetric int8 weights (w = scale * q, q in -127..127), multiplied with
-`torch._weight_int8pack_mm` in bfloat16 (its fast path; float32 is ~18x slower here)."""
+"""Per-output-channel symmetric int8 weights (w = scale * q, q in -127..127). Multiplied by
+tokenmill's CPU kernel in float32 where it is built (16-row panels, see `tokenmill.kernels`),
+else by `torch._weight_int8pack_mm` in bfloat16 (its fast path; float32 is ~18x slower here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from tokenmill import kernels
+
 
 @dataclass
 class Int8Weight:
     q: torch.Tensor       # int8 (N, K)
-    scale: torch.Tensor   # bfloat16 (N,)
+    scale: torch.Tensor   # (N,): bfloat16 for PyTorch's kernel, float32 with panels
     out_features: int
     in_features: int
+    panels: kernels.Int8Panels | None = None  # tokenmill's kernel layout of the same numbers
+
+
+def make(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
+    """The int8 weight for integers q (N, K) and per-row scales (N,), in the fastest layout."""
+    n, k = q.shape
+    if kernels.available() and k % 2 == 0:
+        return Int8Weight(q.contiguous(), scale.float(), n, k, kernels.pack_int8(q, scale))
+    return Int8Weight(q.contiguous(), scale.to(torch.bfloat16), n, k)
 
 
 def quantize_rtn(w: torch.Tensor) -> Int8Weight:
     w32 = w.float()
     scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
     q = (w32 / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return Int8Weight(q.contiguous(), scale.to(torch.bfloat16), w.shape[0], w.shape[1])
+    return make(q, scale)
 
 
 def matmul(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+    if w.panels is not None:
+        return kernels.int8_linear(x.float(), w.panels).to(x.dtype)
     x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
     y = torch._weight_int8pack_mm(x2, w.q, w.scale)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)

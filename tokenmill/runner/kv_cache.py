@@ -6,6 +6,14 @@ import torch
 from tokenmill.models.arch import ArchConfig
 
 
+def resolve_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """'auto': float16 on CPU, where decode attention is bound by reading the cache (the kernel
+    widens to float32 as it loads); the model's dtype elsewhere."""
+    if kv_cache_dtype == "auto":
+        return torch.float16 if device.type == "cpu" else model_dtype
+    return getattr(torch, kv_cache_dtype)
+
+
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
 

@@ -133,7 +133,8 @@ class ModelRunner:
             meta.decode_idx = torch.tensor(decode_idx, dtype=torch.long, device=dev)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables],
                                                     dtype=torch.long, device=dev)
-            lens = torch.tensor(decode_lens, device=dev)
+            lens = torch.tensor(decode_lens, dtype=torch.long, device=dev)
+            meta.decode_context_lens = lens
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
             meta.all_decode = not prefills
         for q_start, n, start, table in prefills:

@@ -1,0 +1,102 @@
+"""tokenmill's CPU kernels against their references: the int4/int8 panel GEMMs against
+dequantize + matmul in float64, paged decode attention against gather-then-SDPA, over the shapes
+that exercise row tiles, padded panels, block chunks, GQA groups and both cache dtypes."""
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.layers.attention import decode_reference
+from tokenmill.quant import int4
+
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_KERNELS=0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.available(), "the CPU kernels must build here (gcc and ninja are dependencies of the tests)"
+
+
+@pytest.mark.parametrize("n,k,group", [(96, 256, 32), (40, 64, 64), (576, 1536, 128), (16, 32, 32)])
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
+def test_int4_panels_equal_dequantized_matmul(n, k, group, m):
+    torch.manual_seed(n + m)
+    q, scale, minimum = int4.quantize_rtn(torch.randn(n, k), group)
+    x = torch.randn(m, k)
+    got = kernels.int4_linear(x, kernels.pack_int4(q, scale, minimum))
+    ref = x.double() @ int4.dequantize(q, scale, minimum).double().t()
+    assert got.shape == (m, n)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("n,k", [(64, 128), (40, 96), (49, 576)])
+@pytest.mark.parametrize("m", [1, 8, 13])
+def test_int8_panels_equal_dequantized_matmul(n, k, m):
+    torch.manual_seed(n * m)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) / 100
+    x = torch.randn(m, k)
+    got = kernels.int8_linear(x, kernels.pack_int8(q, scale))
+    ref = x.double() @ (q.double() * scale.double()[:, None]).t()
+    assert got.shape == (m, n)
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    torch.manual_seed(0)
+    w = kernels.pack_int4(*int4.quantize_rtn(torch.randn(160, 128), 32))
+    x = torch.randn(11, 128)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.int4_linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, kernels.int4_linear(x, w))  # panels never split: identical sums
+
+
+def test_linear_rejects_mismatched_shapes():
+    w = kernels.pack_int4(*int4.quantize_rtn(torch.randn(32, 64), 32))
+    with pytest.raises(RuntimeError, match=r"x must be \(M, 64\)"):
+        kernels.int4_linear(torch.randn(2, 32), w)
+
+
+def _paged(b, lens, bs, hq, hkv, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-n // bs) for n in lens]
+    num_blocks = sum(widths) + 5
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g)  # blocks scattered over the cache
+    width = max(widths)
+    tables = torch.zeros(b, width, dtype=torch.long)
+    used = 0
+    for i, w in enumerate(widths):
+        tables[i, :w] = perm[used:used + w]
+        used += w
+    lens_t = torch.tensor(lens, dtype=torch.long)
+    mask = (torch.arange(width * bs)[None, :] < lens_t[:, None])[:, None, None, :]
+    q = torch.randn(b, hq, d, generator=g)
+    return q, k_cache, v_cache, tables, lens_t, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lens,bs,hq,hkv,d", [
+    ([1, 16, 17, 300], 16, 9, 3, 64),    # SmolLM2's heads; block edges; one token
+    ([70, 5], 32, 8, 2, 128),            # blocks longer than the 16-token chunk
+    ([33, 40, 8], 8, 4, 4, 64),          # no GQA, short blocks
+    ([100], 16, 14, 2, 64),              # Qwen2.5-0.5B's grouping (7 query heads per KV head)
+])
+def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dtype):
+    q, kc, vc, tables, lens_t, mask = _paged(len(lens), lens, bs, hq, hkv, d, dtype, seed=len(lens) + bs)
+    scale = d ** -0.5
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, scale)
+    ref = decode_reference(q, kc, vc, tables, mask, scale)
+    assert got.shape == q.shape
+    assert (got - ref).abs().max() <= 2e-5
+
+
+def test_paged_decode_attention_rejects_bad_block_ids():
+    q, kc, vc, tables, lens_t, _ = _paged(1, [20], 16, 4, 2, 64, torch.float32, seed=0)
+    tables[0, 1] = kc.shape[0] + 7
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernels.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)

@@ -1,0 +1,134 @@
+"""tokenmill's own CPU kernels (cpu.cpp): int4/int8 weight-only linear layers that reuse each
+dequantized weight across the rows of a batch, and paged decode attention that reads K/V blocks
+in place. Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
+minute once); where that fails (no compiler) the callers keep PyTorch's kernels and say so once.
+
+This package owns the kernels and their weight layout only; it imports nothing from tokenmill.
+`TOKENMILL_KERNELS=0` turns them off (the PyTorch reference path), for comparisons.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LANES = 16  # output rows per panel: one AVX-512 register of float32
+_SOURCE = pathlib.Path(__file__).with_name("cpu.cpp")
+_lock = threading.Lock()
+_state: dict[str, bool] = {}  # "loaded": result of the one attempt to build/load
+
+
+def enabled() -> bool:
+    return os.environ.get("TOKENMILL_KERNELS", "1") != "0"
+
+
+def available() -> bool:
+    """True once the extension is built and loaded; builds it on the first call."""
+    if not enabled():
+        return False
+    if "loaded" not in _state:
+        with _lock:
+            if "loaded" not in _state:
+                _state["loaded"] = _build()
+    return _state["loaded"]
+
+
+def _build() -> bool:
+    from torch.utils import cpp_extension
+    # the `ninja` wheel puts its binary beside the interpreter, which need not be on PATH
+    bindir = os.path.dirname(sys.executable)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    try:
+        cpp_extension.load(name="tokenmill_cpu", sources=[str(_SOURCE)], is_python_module=False,
+                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+                           extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # no compiler, no ninja, unsupported platform: PyTorch's kernels serve
+        lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines()[-1:]
+        logger.warning("tokenmill CPU kernels unavailable (%s: %s); using PyTorch's kernels, which are "
+                       "slower.", type(e).__name__, " | ".join(lines[:3]))
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- weight layouts
+@dataclass
+class Int4Panels:
+    """Group-wise int4, w = q * s + m, in 16-row panels (see cpu.cpp for the byte layout)."""
+    q: torch.Tensor   # uint8 (P, K/2, 16)
+    s: torch.Tensor   # float32 (P, K/group, 16)
+    m: torch.Tensor   # float32 (P, K/group, 16)
+    out_features: int
+
+
+@dataclass
+class Int8Panels:
+    """Per-output-channel int8, w = q * s, in 16-row panels."""
+    q: torch.Tensor   # int8 (P, K, 16)
+    s: torch.Tensor   # float32 (P*16,)
+    out_features: int
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % LANES
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Panels:
+    """q: (N, K) integers 0..15; scale, minimum: (N, G) per group of K/G inputs."""
+    n, k = q.shape
+    g = scale.shape[1]
+    if k % g or (k // g) % 2:
+        raise ValueError(f"int4 panels need an even group size dividing {k}; got {g} groups.")
+    qp = _pad_rows(q.to(torch.uint8))                                      # (Np, K)
+    pairs = qp[:, 0::2] | (qp[:, 1::2] << 4)                               # (Np, K/2)
+    panels = pairs.reshape(-1, LANES, k // 2).transpose(1, 2).contiguous()  # (P, K/2, 16)
+
+    def per_panel(t: torch.Tensor) -> torch.Tensor:                         # (N, G) -> (P, G, 16)
+        return _pad_rows(t.float()).reshape(-1, LANES, g).transpose(1, 2).contiguous()
+    return Int4Panels(panels, per_panel(scale), per_panel(minimum), n)
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
+    """q: (N, K) int8; scale: (N,)."""
+    n, k = q.shape
+    if k % 2:
+        raise ValueError(f"int8 panels need an even input dimension, got {k}.")
+    panels = _pad_rows(q.to(torch.int8)).reshape(-1, LANES, k).transpose(1, 2).contiguous()  # (P, K, 16)
+    return Int8Panels(panels, _pad_rows(scale.float().reshape(n, 1)).reshape(-1).contiguous(), n)
+
+
+# --------------------------------------------------------------------------- ops
+def int4_linear(x: torch.Tensor, w: Int4Panels) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N)."""
+    y = torch.ops.tokenmill.int4_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.m, w.out_features)
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+def int8_linear(x: torch.Tensor, w: Int8Panels) -> torch.Tensor:
+    y = torch.ops.tokenmill.int8_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.out_features)
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, Hq, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, W) and
+    context_lens (B,) int64 -> (B, Hq, D)."""
+    return torch.ops.tokenmill.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables,
+                                                      context_lens, scale)
+
+
+def supports_attention(q_dtype: torch.dtype, cache: torch.Tensor, num_heads: int) -> bool:
+    """What the decode kernel handles: float32 queries, float32/float16 CPU caches, head_dim a
+    multiple of 16 up to 256, up to 16 query heads per KV head."""
+    hkv, d = cache.shape[2:]
+    return (cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.float16) and q_dtype == torch.float32
+            and d % LANES == 0 and d <= 256 and num_heads % hkv == 0 and num_heads // hkv <= 16
+            and cache.is_contiguous() and available())
