@@ -45,10 +45,10 @@ def test_int4_kernel_matches_dequantized_matmul(m, backend):
     x = torch.randn(m, 256)
     got = int4.matmul(x, packed)
     assert got.dtype == torch.float32 and got.shape == (m, 96)
-    if backend == "tokenmill":  # float32 throughout: equal to dequantize + matmul up to summation order
+    if backend == "tokenmill":  # exact weights; float32 activations, or 16-bit ones in the dot layout
         assert packed.panels is not None
         ref = x.double() @ int4.dequantize(q, scale, minimum).double().t()
-        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+        assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
         return
     # PyTorch's kernel keeps scales and zeros in bfloat16: compare against that rounding
     sz = packed.scales_zeros.float()

@@ -1,6 +1,6 @@
-"""tokenmill's own CPU kernels (cpu.cpp): int4/int8 weight-only linear layers that reuse each
-dequantized weight across the rows of a batch, and paged decode attention that reads K/V blocks
-in place. Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
+"""tokenmill's own CPU kernels: int4/int8 weight-only linear layers that reuse each unpacked
+weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs), and
+paged decode attention that reads K/V blocks in place (attention.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
 minute once); where that fails (no compiler) the callers keep PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layout only; it imports nothing from tokenmill.
@@ -20,7 +20,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LANES = 16  # output rows per panel: one AVX-512 register of float32
-_SOURCE = pathlib.Path(__file__).with_name("cpu.cpp")
+_SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp")]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": result of the one attempt to build/load
 
@@ -47,7 +47,7 @@ def _build() -> bool:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     try:
-        cpp_extension.load(name="tokenmill_cpu", sources=[str(_SOURCE)], is_python_module=False,
+        cpp_extension.load(name="tokenmill_cpu", sources=_SOURCES, is_python_module=False,
                            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
                            extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # no compiler, no ninja, unsupported platform: PyTorch's kernels serve
@@ -55,25 +55,34 @@ def _build() -> bool:
         logger.warning("tokenmill CPU kernels unavailable (%s: %s); using PyTorch's kernels, which are "
                        "slower.", type(e).__name__, " | ".join(lines[:3]))
         return False
+    _state["dot"] = torch.ops.tokenmill.layout() == "dot"
     return True
+
+
+def dot_layout() -> bool:
+    """True where the kernels were built with AVX512-VNNI: weights then use the int8-dot layout
+    and activations are rounded to int8 per 32 inputs inside the product."""
+    return available() and _state.get("dot", False)
 
 
 # --------------------------------------------------------------------------- weight layouts
 @dataclass
 class Int4Panels:
-    """Group-wise int4, w = q * s + m, in 16-row panels (see cpu.cpp for the byte layout)."""
-    q: torch.Tensor   # uint8 (P, K/2, 16)
+    """Group-wise int4, w = q * s + m, in 16-row panels (byte layouts: linear.cpp)."""
+    q: torch.Tensor   # uint8 (P, K/2, 16), or (P, K/8, 64) in the dot layout
     s: torch.Tensor   # float32 (P, K/group, 16)
     m: torch.Tensor   # float32 (P, K/group, 16)
     out_features: int
+    dot: bool = False
 
 
 @dataclass
 class Int8Panels:
     """Per-output-channel int8, w = q * s, in 16-row panels."""
-    q: torch.Tensor   # int8 (P, K, 16)
+    q: torch.Tensor   # int8 (P, K, 16), or uint8 (P, K/4, 64) holding q + 128 in the dot layout
     s: torch.Tensor   # float32 (P*16,)
     out_features: int
+    dot: bool = False
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -88,11 +97,16 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> In
     if k % g or (k // g) % 2:
         raise ValueError(f"int4 panels need an even group size dividing {k}; got {g} groups.")
     qp = _pad_rows(q.to(torch.uint8))                                      # (Np, K)
-    pairs = qp[:, 0::2] | (qp[:, 1::2] << 4)                               # (Np, K/2)
-    panels = pairs.reshape(-1, LANES, k // 2).transpose(1, 2).contiguous()  # (P, K/2, 16)
 
     def per_panel(t: torch.Tensor) -> torch.Tensor:                         # (N, G) -> (P, G, 16)
         return _pad_rows(t.float()).reshape(-1, LANES, g).transpose(1, 2).contiguous()
+    if dot_layout() and (k // g) % 32 == 0:
+        octets = qp.reshape(-1, LANES, k // 8, 2, 4)                          # (P, 16, K/8, half, 4)
+        packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)               # (P, 16, K/8, 4)
+        panels = packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES).contiguous()  # (P, K/8, 64)
+        return Int4Panels(panels, per_panel(scale), per_panel(minimum), n, dot=True)
+    pairs = qp[:, 0::2] | (qp[:, 1::2] << 4)                               # (Np, K/2)
+    panels = pairs.reshape(-1, LANES, k // 2).transpose(1, 2).contiguous()  # (P, K/2, 16)
     return Int4Panels(panels, per_panel(scale), per_panel(minimum), n)
 
 
@@ -101,19 +115,26 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
     n, k = q.shape
     if k % 2:
         raise ValueError(f"int8 panels need an even input dimension, got {k}.")
+    s = _pad_rows(scale.float().reshape(n, 1)).reshape(-1).contiguous()
+    if dot_layout() and k % 32 == 0:
+        u = (_pad_rows(q.to(torch.int16)) + 128).to(torch.uint8)                  # (Np, K) unsigned
+        quads = u.reshape(-1, LANES, k // 4, 4).transpose(1, 2)                   # (P, K/4, 16, 4)
+        return Int8Panels(quads.reshape(-1, k // 4, 4 * LANES).contiguous(), s, n, dot=True)
     panels = _pad_rows(q.to(torch.int8)).reshape(-1, LANES, k).transpose(1, 2).contiguous()  # (P, K, 16)
-    return Int8Panels(panels, _pad_rows(scale.float().reshape(n, 1)).reshape(-1).contiguous(), n)
+    return Int8Panels(panels, s, n)
 
 
 # --------------------------------------------------------------------------- ops
 def int4_linear(x: torch.Tensor, w: Int4Panels) -> torch.Tensor:
     """x (..., K) float32 -> (..., N)."""
-    y = torch.ops.tokenmill.int4_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.m, w.out_features)
+    op = torch.ops.tokenmill.int4_linear_dot if w.dot else torch.ops.tokenmill.int4_linear
+    y = op(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.m, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Panels) -> torch.Tensor:
-    y = torch.ops.tokenmill.int8_linear(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.out_features)
+    op = torch.ops.tokenmill.int8_linear_dot if w.dot else torch.ops.tokenmill.int8_linear
+    y = op(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 

@@ -1,0 +1,377 @@
+// Weight-only int4/int8 linear layers: y = x W^T with W stored quantized.
+//
+// Compiled for the host (-march=native) on first use. Threads come from ATen's pool, so
+// torch.set_num_threads / --threads govern them too. Owns arithmetic only: shapes and layouts are
+// checked here, policy (when to call which kernel) lives in the Python layers.
+//
+// Weights come in "panels" of 16 output rows (N padded to a multiple of 16 with zero rows), in one
+// of two layouts, chosen once by the CPU the kernels were built for:
+//
+// float layout (any x86-64): x stays float32, the weights are widened to float32.
+//   int4  q   uint8 (P, K/2, 16)  byte [p, j, i] = q[16p+i, 2j] | q[16p+i, 2j+1] << 4
+//         s,m float (P, K/g, 16)  w[n, k] = q[n, k] * s[n, k/g] + m[n, k/g]
+//   int8  q   int8  (P, K, 16)    w[n, k] = q[16p+i, k] * s[n]
+//         s   float (P*16,)
+//   One 16-byte load gives two input columns of 16 output rows, dequantized once into two vectors
+//   and reused by every row of x in the tile (a GEMM with weight reuse, not a GEMV per row).
+//   Float32 arithmetic: equals dequantize + matmul up to summation order.
+//
+// dot layout (AVX512-VNNI): x is rounded to 16-bit integers per 32 inputs, x ~ d_b * xq with
+// xq = 256 h + l split into two int8 halves, and VPDPBUSD multiplies 4 weight bytes by 4
+// activation bytes per lane (once for h, once for l):
+//   int4  q   uint8 (P, K/8, 16, 4)  byte [p, o, i, j] = q[n, 8o+j] | q[n, 8o+4+j] << 4
+//   int8  q   uint8 (P, K/4, 16, 4)  byte [p, o, i, j] = q[n, 4o+j] + 128   (unsigned for VPDPBUSD)
+//   y[n] = sum_b d_b s[n, g(b)] (q . xq)_b + sum_g m[n, g] (sum of x over g)        (int4)
+//   y[n] = s[n] sum_b d_b ((q + 128) . xq - 128 sum xq)_b                            (int8)
+//   One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer instructions per weight than
+//   the float layout, at the cost of rounding x to 16 bits per 32-block (a relative error of
+//   ~1e-5 of the block's largest input; 8 bits, as llama.cpp uses, cost ~1 % perplexity here).
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+// One tile: `MT` rows of x times one 16-row int4 panel. Even and odd columns accumulate
+// separately so that a single row still has two independent FMA chains.
+template <int MT>
+void int4_tile(const float* x, int64_t ldx, const uint8_t* q, const float* s, const float* m,
+               int64_t K, int64_t group, float* y, int64_t ldy, int nvalid) {
+  v16f acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = v16f{};
+  const int64_t ngroups = K / group;
+  for (int64_t g = 0; g < ngroups; ++g) {
+    const v16f sc = load(s + g * kLanes), mn = load(m + g * kLanes);
+    for (int64_t k = g * group; k < (g + 1) * group; k += 2) {
+      v16f lo, hi;
+      nibbles(q + k * (kLanes / 2), lo, hi);
+      const v16f w0 = lo * sc + mn, w1 = hi * sc + mn;
+      for (int r = 0; r < MT; ++r) {
+        acc[r][0] += w0 * x[r * ldx + k];
+        acc[r][1] += w1 * x[r * ldx + k + 1];
+      }
+    }
+  }
+  for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r][0] + acc[r][1], nvalid);
+}
+
+template <int MT>
+void int8_tile(const float* x, int64_t ldx, const int8_t* q, const float* s, int64_t K, float* y,
+               int64_t ldy, int nvalid) {
+  v16f acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = v16f{};
+  for (int64_t k = 0; k < K; k += 2) {
+    const v16f w0 = bytes(q + k * kLanes), w1 = bytes(q + (k + 1) * kLanes);
+    for (int r = 0; r < MT; ++r) {
+      acc[r][0] += w0 * x[r * ldx + k];
+      acc[r][1] += w1 * x[r * ldx + k + 1];
+    }
+  }
+  const v16f sc = load(s);
+  for (int r = 0; r < MT; ++r) store(y + r * ldy, (acc[r][0] + acc[r][1]) * sc, nvalid);
+}
+
+// Calls tile<MT> for a full tile and tile<rows> for the remainder, which is < kRowTile.
+template <template <int> class Tile, typename... Args>
+void dispatch_rows(int rows, Args... args) {
+  switch (rows) {
+    case 1: Tile<1>::run(args...); break;
+    case 2: Tile<2>::run(args...); break;
+    case 3: Tile<3>::run(args...); break;
+    case 4: Tile<4>::run(args...); break;
+#if defined(__AVX512F__)
+    case 5: Tile<5>::run(args...); break;
+    case 6: Tile<6>::run(args...); break;
+    case 7: Tile<7>::run(args...); break;
+    case 8: Tile<8>::run(args...); break;
+#endif
+    default: TORCH_CHECK(false, "row tile out of range");
+  }
+}
+
+template <int MT>
+struct Int4Tile {
+  template <typename... A>
+  static void run(A... a) { int4_tile<MT>(a...); }
+};
+
+template <int MT>
+struct Int8Tile {
+  template <typename... A>
+  static void run(A... a) { int8_tile<MT>(a...); }
+};
+
+void check_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be (M, ", K, "), got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
+}
+
+// Panels split across threads; each walks all rows of x, kRowTile at a time, so a panel's
+// weights (K/2 * 16 bytes) stay in L1 while x streams from L2.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
+                       int64_t N) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == kLanes && q.is_contiguous(),
+              "int4 weights must be uint8 (P, K/2, 16)");
+  const int64_t P = q.size(0), K = q.size(1) * 2, G = s.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 2 == 0, "group size must be even and divide K");
+  TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
+              s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
+  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_x(x, K);
+  const int64_t M = x.size(0), group = K / G;
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
+      for (int64_t r = 0; r < M; r += kRowTile) {
+        dispatch_rows<Int4Tile>(static_cast<int>(std::min<int64_t>(kRowTile, M - r)), xp + r * K, K,
+                                qp + p * K * (kLanes / 2), sp + p * G * kLanes, mp + p * G * kLanes,
+                                K, group, yp + r * N + p * kLanes, N, nvalid);
+      }
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kChar && q.size(2) == kLanes && q.is_contiguous(),
+              "int8 weights must be int8 (P, K, 16)");
+  const int64_t P = q.size(0), K = q.size(1);
+  TORCH_CHECK(K % 2 == 0, "K must be even");
+  TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
+              "scales must be float (P*16,)");
+  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_x(x, K);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
+      for (int64_t r = 0; r < M; r += kRowTile) {
+        dispatch_rows<Int8Tile>(static_cast<int>(std::min<int64_t>(kRowTile, M - r)), xp + r * K, K,
+                                qp + p * K * kLanes, sp + p * kLanes, K, yp + r * N + p * kLanes,
+                                N, nvalid);
+      }
+    }
+  });
+  return y;
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kDot = true;
+constexpr int kDotRowTile = 4;  // 3 accumulators per row: 12 zmm + weights and broadcasts
+
+// x (M, K) float -> 16-bit integers per 32 inputs, x ~ d_b * (256 h + l), h and l int8 (M, K),
+// d (M, K/32), qsum (M, K/32) sums of 256 h + l, xsum (M, K/group) float sums of x per weight
+// group (the int4 minimum term). Rounding x to 16 bits (not llama.cpp's 8) keeps the product
+// within float32's accuracy for the perplexity budget, for two VPDPBUSDs per weight byte.
+struct QuantizedX {
+  std::vector<int8_t> h, l;
+  std::vector<float> d, xsum;
+  std::vector<int32_t> qsum;
+};
+
+constexpr float kQMax = 127.f * 256.f;  // |256 h + l| <= 32512 keeps h in [-127, 127]
+
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group) {
+  const int64_t nb = K / 32, ng = group ? K / group : 0;
+  QuantizedX r{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * nb),
+               std::vector<float>(M * ng), std::vector<int32_t>(M * nb)};
+  at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0; i < r1; ++i) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t off = i * K + b * 32;
+        const __m512 a = _mm512_loadu_ps(x + off), c = _mm512_loadu_ps(x + off + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? kQMax / amax : 0.f);
+        int32_t sum = 0;
+        for (int half = 0; half < 2; ++half) {
+          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(half ? c : a, inv));  // round to nearest
+          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);  // floor
+          const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));                    // [-128, 127]
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r.h.data() + off + 16 * half), _mm512_cvtepi32_epi8(hi));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l.data() + off + 16 * half), _mm512_cvtepi32_epi8(lo));
+          sum += _mm512_reduce_add_epi32(q);
+        }
+        r.d[i * nb + b] = amax / kQMax;
+        r.qsum[i * nb + b] = sum;
+      }
+      for (int64_t g = 0; g < ng; ++g) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + i * K + k));
+        r.xsum[i * ng + g] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  });
+  return r;
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// MT rows times one int4 panel: per row two int32 chains, weights times h and weights times l.
+template <int MT>
+void int4_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, int64_t group, const uint8_t* q,
+                   const float* s, const float* m, float* y, int64_t ldy, int nvalid) {
+  const int64_t nb = K / 32, ng = K / group, bpg = group / 32;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  v16f acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = v16f{};
+  for (int64_t g = 0; g < ng; ++g) {
+    const v16f sw = load(s + g * kLanes), mw = load(m + g * kLanes);
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      __m512i hacc[MT], lacc[MT];
+      for (int r = 0; r < MT; ++r) hacc[r] = lacc[r] = _mm512_setzero_si512();
+      for (int64_t o = 0; o < 4; ++o) {
+        const __m512i v = _mm512_loadu_si512(q + (b * 4 + o) * 64);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        for (int r = 0; r < MT; ++r) {
+          const int64_t at = (row0 + r) * K + b * 32 + o * 8;
+          const int8_t *xh = xq.h.data() + at, *xl = xq.l.data() + at;
+          hacc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hacc[r], lo, bcast4(xh)), hi, bcast4(xh + 4));
+          lacc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lacc[r], lo, bcast4(xl)), hi, bcast4(xl + 4));
+        }
+      }
+      for (int r = 0; r < MT; ++r) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hacc[r], 8), lacc[r]);
+        acc[r] += v16f(_mm512_cvtepi32_ps(dot)) * (sw * xq.d[(row0 + r) * nb + b]);
+      }
+    }
+    for (int r = 0; r < MT; ++r) acc[r] += mw * xq.xsum[(row0 + r) * ng + g];
+  }
+  for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r], nvalid);
+}
+
+template <int MT>
+void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t* q, const float* s,
+                   float* y, int64_t ldy, int nvalid) {
+  const int64_t nb = K / 32;
+  v16f acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = v16f{};
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i hacc[MT], lacc[MT];
+    for (int r = 0; r < MT; ++r) hacc[r] = lacc[r] = _mm512_setzero_si512();
+    for (int64_t o = 0; o < 8; ++o) {
+      const __m512i v = _mm512_loadu_si512(q + (b * 8 + o) * 64);
+      for (int r = 0; r < MT; ++r) {
+        const int64_t at = (row0 + r) * K + b * 32 + o * 4;
+        hacc[r] = _mm512_dpbusd_epi32(hacc[r], v, bcast4(xq.h.data() + at));
+        lacc[r] = _mm512_dpbusd_epi32(lacc[r], v, bcast4(xq.l.data() + at));
+      }
+    }
+    for (int r = 0; r < MT; ++r) {  // (q + 128) . x16 - 128 sum(x16)
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hacc[r], 8), lacc[r]),
+                                           _mm512_set1_epi32(128 * xq.qsum[(row0 + r) * nb + b]));
+      acc[r] += v16f(_mm512_cvtepi32_ps(dot)) * xq.d[(row0 + r) * nb + b];
+    }
+  }
+  const v16f sw = load(s);
+  for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r] * sw, nvalid);
+}
+
+template <int MT>
+struct Int4DotTile {
+  template <typename... A>
+  static void run(A... a) { int4_dot_tile<MT>(a...); }
+};
+
+template <int MT>
+struct Int8DotTile {
+  template <typename... A>
+  static void run(A... a) { int8_dot_tile<MT>(a...); }
+};
+
+at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
+                           int64_t N) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
+              "int4 dot weights must be uint8 (P, K/8, 64)");
+  const int64_t P = q.size(0), K = q.size(1) * 8, G = s.size(1);
+  TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "group size must be a multiple of 32 dividing K");
+  TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
+              s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
+  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_x(x, K);
+  const int64_t M = x.size(0), group = K / G;
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
+      for (int64_t r = 0; r < M; r += kDotRowTile)
+        dispatch_rows<Int4DotTile>(static_cast<int>(std::min<int64_t>(kDotRowTile, M - r)), std::cref(xq), r, K, group,
+                                   qp + p * K * 8, sp + p * G * kLanes, mp + p * G * kLanes, yp + r * N + p * kLanes,
+                                   N, nvalid);
+    }
+  });
+  return y;
+}
+
+at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
+              "int8 dot weights must be uint8 (P, K/4, 64)");
+  const int64_t P = q.size(0), K = q.size(1) * 4;
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
+              "scales must be float (P*16,)");
+  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_x(x, K);
+  const int64_t M = x.size(0);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
+      for (int64_t r = 0; r < M; r += kDotRowTile)
+        dispatch_rows<Int8DotTile>(static_cast<int>(std::min<int64_t>(kDotRowTile, M - r)), std::cref(xq), r, K,
+                                   qp + p * K * kLanes, sp + p * kLanes, yp + r * N + p * kLanes, N, nvalid);
+    }
+  });
+  return y;
+}
+#else
+constexpr bool kDot = false;
+#endif
+
+std::string layout() { return kDot ? "dot" : "float"; }
+
+}  // namespace
+}  // namespace tokenmill
+
+TORCH_LIBRARY(tokenmill, m) {
+  m.def("layout", &tokenmill::layout);
+  m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
+  m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
+#endif
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("int4_linear", &tokenmill::int4_linear);
+  m.impl("int8_linear", &tokenmill::int8_linear);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  m.impl("int4_linear_dot", &tokenmill::int4_linear_dot);
+  m.impl("int8_linear_dot", &tokenmill::int8_linear_dot);
+#endif
+}
