@@ -4,6 +4,7 @@
 source "$(dirname "$0")/common.sh"
 N=${N:-64}
 out=$RESULTS/offline.jsonl; : > "$out"
+# (benchmarks/kernel_bench.py is not named kernels.py: transformers imports any importable `kernels` module)
 "$TM" --log-level WARNING bench throughput --model "$MODEL" --workload "$WORKLOAD" --num-prompts "$N" \
   | "$PY" -c 'import json,sys; print(json.dumps({"peer": "tokenmill", **json.load(sys.stdin)}))' >> "$out"
 # batch size 1 on 16 requests (its rate is flat in N; 64 would take ~10 minutes)

@@ -135,3 +135,22 @@ def test_paged_decode_attention_rejects_bad_block_ids():
     tables[0, 1] = kc.shape[0] + 7
     with pytest.raises(RuntimeError, match="block id out of range"):
         kernels.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125)
+
+
+def test_rms_norm_and_rotary_equal_pytorch():
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = torch.rand(64)
+    x = torch.randn(5, 7, 64)
+    rope = RotaryEmbedding(64, 128, 10000.0, None)
+    cos, sin = rope.lookup(torch.tensor([0, 3, 17, 99, 127]))
+    qkv = torch.randn(5, 14 * 64)
+    qk = qkv[:, :12 * 64].view(5, 12, 64)                  # a strided view, as the model passes it
+    ref_norm, ref_rot = norm(x), apply_rotary(qk, cos, sin)  # grad mode: PyTorch's ops
+    with torch.inference_mode():                             # inference: the kernels
+        got_norm, got_rot = norm(x), apply_rotary(qk, cos, sin)
+    assert (got_norm - ref_norm).abs().max() <= 1e-5 and (got_rot - ref_rot).abs().max() <= 1e-5
+    assert got_rot.is_contiguous()

@@ -1,6 +1,7 @@
 """tokenmill's own CPU kernels: int4/int8 weight-only linear layers that reuse each unpacked
-weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs), and
-paged decode attention that reads K/V blocks in place (attention.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
+weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs),
+paged decode attention that reads K/V blocks in place (attention.cpp), and one-pass RMSNorm and
+rotary embedding (pointwise.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
 minute once); where that fails (no compiler) the callers keep PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layout only; it imports nothing from tokenmill.
@@ -20,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LANES = 16  # output rows per panel: one AVX-512 register of float32
-_SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp")]
+_SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp", "pointwise.cpp")]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": result of the one attempt to build/load
 
@@ -144,6 +145,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     context_lens (B,) int64 -> (B, Hq, D)."""
     return torch.ops.tokenmill.paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables,
                                                       context_lens, scale)
+
+
+def usable_for(x: torch.Tensor) -> bool:
+    """The row-wise kernels take float32 CPU tensors outside autograd (training keeps PyTorch's ops)."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension of a float32 tensor, in one pass."""
+    return torch.ops.tokenmill.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of x (T, H, D) -> contiguous (T, H, D); cos/sin (T, D/2)."""
+    return torch.ops.tokenmill.rotary(x, cos.reshape(x.shape[0], -1), sin.reshape(x.shape[0], -1))
 
 
 def supports_attention(q_dtype: torch.dtype, cache: torch.Tensor, num_heads: int) -> bool:

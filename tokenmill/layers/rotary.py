@@ -10,6 +10,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill import kernels
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     # float32 exactly as the reference implementations compute it, so angles match bit for bit
@@ -48,5 +50,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (T, H, D) -> rotated (T, H, D); in float32 whatever x's dtype."""
+    if kernels.usable_for(x):
+        return kernels.rotary(x, cos, sin)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

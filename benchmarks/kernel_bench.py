@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Microbenchmark of the matmul kernels tokenmill can use on CPU, for one layer shape, across
+batch rows: tokenmill's int4/int8 panel kernels (tokenmill/kernels), PyTorch's int4
+(`_weight_int4pack_mm_for_cpu`, bf16 activations), int8 (`_weight_int8pack_mm`) and float32 GEMM.
+Explains the choices in quant/ and layers/linear.py. (Not named kernels.py: transformers imports
+any importable module of that name.)
+
+    python benchmarks/kernel_bench.py                      # a 1536x576 MLP matrix of SmolLM2
+    python benchmarks/kernel_bench.py --n 49152 --k 576    # its output head
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.quant import int4, int8
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--n", type=int, default=1536)
+ap.add_argument("--k", type=int, default=576)
+ap.add_argument("--rows", default="1,4,16,32,64,256")
+ap.add_argument("--threads", type=int, default=2)
+a = ap.parse_args()
+torch.set_num_threads(a.threads)
+w = torch.randn(a.n, a.k)
+parts4 = int4.quantize_rtn(w, 32)
+w8 = int8.quantize_rtn(w)
+tm4 = kernels.pack_int4(*parts4) if kernels.available() else None
+tm8 = kernels.pack_int8(w8.q, w8.scale.float()) if kernels.available() else None
+# PyTorch's layouts
+sz = torch.stack([parts4[1].t(), (parts4[2] + 8 * parts4[1]).t()], dim=-1).to(torch.bfloat16).contiguous()
+packed4 = torch._convert_weight_to_int4pack_for_cpu(parts4[0].to(torch.int32), 1)
+scale8 = w8.scale.to(torch.bfloat16)
+
+
+def timed(fn, reps):
+    for _ in range(3):
+        fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+for m in [int(r) for r in a.rows.split(",")]:
+    x = torch.randn(m, a.k)
+    xb = x.to(torch.bfloat16)
+    reps = max(3, 2000 // (m * max(1, a.n // 1536)))
+    row = {"rows": m}
+    if tm4 is not None:
+        row["tokenmill_int4_us"] = timed(lambda: kernels.int4_linear(x, tm4), reps)
+        row["tokenmill_int8_us"] = timed(lambda: kernels.int8_linear(x, tm8), reps)
+        row["tokenmill_layout"] = "dot" if tm4.dot else "float"
+    row.update({"torch_int4_bf16_us": timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz), reps),
+                "torch_int8_bf16_us": timed(lambda: torch._weight_int8pack_mm(xb, w8.q, scale8), reps),
+                "fp32_gemm_us": timed(lambda: torch.nn.functional.linear(x, w), reps)})
+    print(json.dumps({"n": a.n, "k": a.k, **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}}))

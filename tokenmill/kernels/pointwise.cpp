@@ -1,0 +1,69 @@
+// Row-wise float32 ops that PyTorch runs as several kernels each on CPU (RMSNorm: pow, mean, add,
+// rsqrt, mul, mul; rotary: chunk, four muls, add, sub, cat), each one pass here. At batch 1 the
+// per-op dispatch, not the arithmetic, is their cost.
+#include "vec.h"
+
+namespace tokenmill {
+namespace {
+
+// y = x / sqrt(mean(x^2) + eps) * w, per row; x (T, H) with contiguous rows.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be float (T, H)");
+  const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
+  TORCH_CHECK(w.numel() == H && w.scalar_type() == at::kFloat && w.is_contiguous(), "w must be float (H,)");
+  at::Tensor y = at::empty({T, H}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = xp + t * ld;
+      double ss = 0.0;  // as the reference: accumulate in high precision, then one rsqrt
+      for (int64_t i = 0; i < H; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / H + eps));
+      float* yr = yp + t * H;
+      for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] * inv * wp[i];
+    }
+  });
+  return y;
+}
+
+// Rotate-half (NeoX) rotary embedding of x (T, Hx, D), any strides with contiguous last dimension,
+// cos/sin (T, D/2): out[..., i] = x1 cos - x2 sin, out[..., i + D/2] = x2 cos + x1 sin.
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be float (T, H, D)");
+  const int64_t T = x.size(0), Hx = x.size(1), D = x.size(2), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * half && sin.numel() == T * half && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+              "cos/sin must be float (T, D/2)");
+  at::Tensor out = at::empty({T, Hx, D}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T * Hx, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / Hx, h = i % Hx;
+      const float* xr = xp + t * st + h * sh;
+      const float *c = cp + t * half, *s = sp + t * half;
+      float* o = op + i * D;
+      for (int64_t j = 0; j < half; ++j) {
+        const float x1 = xr[j], x2 = xr[j + half];
+        o[j] = x1 * c[j] - x2 * s[j];
+        o[j + half] = x2 * c[j] + x1 * s[j];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("rms_norm", &tokenmill::rms_norm);
+  m.impl("rotary", &tokenmill::rotary);
+}
