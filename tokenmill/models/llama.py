@@ -13,11 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import Attention
-from tokenmill.layers.linear import FLOAT_MIN_ROWS, PREQUANTIZED, FusedLinear, Linear
+from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
 from tokenmill.quant import int8
+
+# The int8 copy of a tied embedding serves up to a decode step's worth of rows (one per running
+# request: 64 by default); past that (perplexity over whole windows) the float table does.
+HEAD_INT8_MAX_ROWS = 64
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -101,7 +105,7 @@ class CausalLM(nn.Module):
         """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample."""
         if self.lm_head is not None:
             return self.lm_head(hidden).float()
-        if self.tied_head_q is not None and hidden.shape[0] <= FLOAT_MIN_ROWS:
+        if self.tied_head_q is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
             return int8.matmul(hidden, self.tied_head_q).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
