@@ -92,25 +92,33 @@ void dispatch_rows(int rows, Args... args) {
   }
 }
 
-template <int MT>
-struct Int4Tile {
-  template <typename... A>
-  static void run(A... a) { int4_tile<MT>(a...); }
-};
+// Tile<MT>::run(args...) calls fn<MT>(args...): lets dispatch_rows pick MT at run time.
+#define TILE_ADAPTER(Name, fn)                      \
+  template <int MT>                                 \
+  struct Name {                                     \
+    template <typename... A>                        \
+    static void run(A... a) { fn<MT>(a...); }       \
+  };
+TILE_ADAPTER(Int4Tile, int4_tile)
+TILE_ADAPTER(Int8Tile, int8_tile)
 
-template <int MT>
-struct Int8Tile {
-  template <typename... A>
-  static void run(A... a) { int8_tile<MT>(a...); }
-};
+// Panels split across threads; each walks all rows of x `tile` rows at a time, so a panel's
+// weights stay in L1 while x streams from L2. call(p, r, rows, nvalid): panel p, rows [r, r+rows).
+template <typename Call>
+void for_each_tile(int64_t P, int64_t M, int64_t N, int64_t tile, const Call& call) {
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
+      for (int64_t r = 0; r < M; r += tile) call(p, r, static_cast<int>(std::min<int64_t>(tile, M - r)), nvalid);
+    }
+  });
+}
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be (M, ", K, "), got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
 }
 
-// Panels split across threads; each walks all rows of x, kRowTile at a time, so a panel's
-// weights (K/2 * 16 bytes) stay in L1 while x streams from L2.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
                        int64_t N) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == kLanes && q.is_contiguous(),
@@ -127,15 +135,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
-      for (int64_t r = 0; r < M; r += kRowTile) {
-        dispatch_rows<Int4Tile>(static_cast<int>(std::min<int64_t>(kRowTile, M - r)), xp + r * K, K,
-                                qp + p * K * (kLanes / 2), sp + p * G * kLanes, mp + p * G * kLanes,
-                                K, group, yp + r * N + p * kLanes, N, nvalid);
-      }
-    }
+  for_each_tile(P, M, N, kRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+    dispatch_rows<Int4Tile>(rows, xp + r * K, K, qp + p * K * (kLanes / 2), sp + p * G * kLanes,
+                            mp + p * G * kLanes, K, group, yp + r * N + p * kLanes, N, nvalid);
   });
   return y;
 }
@@ -155,15 +157,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
-      for (int64_t r = 0; r < M; r += kRowTile) {
-        dispatch_rows<Int8Tile>(static_cast<int>(std::min<int64_t>(kRowTile, M - r)), xp + r * K, K,
-                                qp + p * K * kLanes, sp + p * kLanes, K, yp + r * N + p * kLanes,
-                                N, nvalid);
-      }
-    }
+  for_each_tile(P, M, N, kRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+    dispatch_rows<Int8Tile>(rows, xp + r * K, K, qp + p * K * kLanes, sp + p * kLanes, K, yp + r * N + p * kLanes,
+                            N, nvalid);
   });
   return y;
 }
@@ -283,17 +279,8 @@ void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t*
   for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r] * sw, nvalid);
 }
 
-template <int MT>
-struct Int4DotTile {
-  template <typename... A>
-  static void run(A... a) { int4_dot_tile<MT>(a...); }
-};
-
-template <int MT>
-struct Int8DotTile {
-  template <typename... A>
-  static void run(A... a) { int8_dot_tile<MT>(a...); }
-};
+TILE_ADAPTER(Int4DotTile, int4_dot_tile)
+TILE_ADAPTER(Int8DotTile, int8_dot_tile)
 
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
                            int64_t N) {
@@ -311,14 +298,9 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
-      for (int64_t r = 0; r < M; r += kDotRowTile)
-        dispatch_rows<Int4DotTile>(static_cast<int>(std::min<int64_t>(kDotRowTile, M - r)), std::cref(xq), r, K, group,
-                                   qp + p * K * 8, sp + p * G * kLanes, mp + p * G * kLanes, yp + r * N + p * kLanes,
-                                   N, nvalid);
-    }
+  for_each_tile(P, M, N, kDotRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+    dispatch_rows<Int4DotTile>(rows, std::cref(xq), r, K, group, qp + p * K * 8, sp + p * G * kLanes,
+                               mp + p * G * kLanes, yp + r * N + p * kLanes, N, nvalid);
   });
   return y;
 }
@@ -338,13 +320,9 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
-      for (int64_t r = 0; r < M; r += kDotRowTile)
-        dispatch_rows<Int8DotTile>(static_cast<int>(std::min<int64_t>(kDotRowTile, M - r)), std::cref(xq), r, K,
-                                   qp + p * K * kLanes, sp + p * kLanes, yp + r * N + p * kLanes, N, nvalid);
-    }
+  for_each_tile(P, M, N, kDotRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+    dispatch_rows<Int8DotTile>(rows, std::cref(xq), r, K, qp + p * K * kLanes, sp + p * kLanes,
+                               yp + r * N + p * kLanes, N, nvalid);
   });
   return y;
 }
