@@ -4,9 +4,9 @@
 source "$(dirname "$0")/common.sh"
 N=${N:-64}
 out=$RESULTS/offline.jsonl; : > "$out"
-# (benchmarks/kernel_bench.py is not named kernels.py: transformers imports any importable `kernels` module)
 "$TM" --log-level WARNING bench throughput --model "$MODEL" --workload "$WORKLOAD" --num-prompts "$N" \
   | "$PY" -c 'import json,sys; print(json.dumps({"peer": "tokenmill", **json.load(sys.stdin)}))' >> "$out"
+# transformers imports any importable module named `kernels`: none may sit in benchmarks/
 # batch size 1 on 16 requests (its rate is flat in N; 64 would take ~10 minutes)
 "$PY" "$HERE/hf_offline.py" --gguf "$MODEL" --workload "$WORKLOAD" -n 16 --batch-size 1 >> "$out"
 for bs in 8 32; do
