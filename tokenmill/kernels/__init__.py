@@ -62,7 +62,7 @@ def _build() -> bool:
 
 def dot_layout() -> bool:
     """True where the kernels were built with AVX512-VNNI: weights then use the int8-dot layout
-    and activations are rounded to int8 per 32 inputs inside the product."""
+    and activations are rounded to 16-bit integers per 32 inputs inside the product."""
     return available() and _state.get("dot", False)
 
 

@@ -114,6 +114,10 @@ void for_each_tile(int64_t P, int64_t M, int64_t N, int64_t tile, const Call& ca
   });
 }
 
+void check_n(int64_t N, int64_t P) {
+  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+}
+
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be (M, ", K, "), got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
@@ -127,7 +131,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 2 == 0, "group size must be even and divide K");
   TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
               s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
-  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
   at::Tensor y = at::empty({M, N}, x.options());
@@ -149,7 +153,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(K % 2 == 0, "K must be even");
   TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
               "scales must be float (P*16,)");
-  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
@@ -290,7 +294,7 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "group size must be a multiple of 32 dividing K");
   TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
               s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
-  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group);
@@ -312,7 +316,7 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
               "scales must be float (P*16,)");
-  TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
+  check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0);
