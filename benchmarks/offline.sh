@@ -4,8 +4,11 @@
 source "$(dirname "$0")/common.sh"
 N=${N:-64}
 out=$RESULTS/offline.jsonl; : > "$out"
-"$TM" --log-level WARNING bench throughput --model "$MODEL" --workload "$WORKLOAD" --num-prompts "$N" \
-  | "$PY" -c 'import json,sys; print(json.dumps({"peer": "tokenmill", **json.load(sys.stdin)}))' >> "$out"
+for bits in 16 8; do  # default 16-bit activations in the int kernels; 8 = llama.cpp's arithmetic
+  "$TM" --log-level WARNING bench throughput --model "$MODEL" --workload "$WORKLOAD" --num-prompts "$N" \
+    --activation-bits "$bits" \
+    | "$PY" -c 'import json,sys; print(json.dumps({"peer": "tokenmill --activation-bits " + sys.argv[1], **json.load(sys.stdin)}))' "$bits" >> "$out"
+done
 # transformers imports any importable module named `kernels`: none may sit in benchmarks/
 # batch size 1 on 16 requests (its rate is flat in N; 64 would take ~10 minutes)
 "$PY" "$HERE/hf_offline.py" --gguf "$MODEL" --workload "$WORKLOAD" -n 16 --batch-size 1 >> "$out"

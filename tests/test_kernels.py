@@ -1,6 +1,6 @@
 """tokenmill's CPU kernels against their references: the int4/int8 panel GEMMs against
 dequantize + matmul in float64 (float layout) or its exact integer emulation (dot layout, x
-rounded to 16-bit integers per 32 inputs), paged decode attention against gather-then-SDPA, over the shapes
+rounded to 8- or 16-bit integers per 32 inputs), paged decode attention against gather-then-SDPA, over the shapes
 that exercise row tiles, padded panels, block chunks, GQA groups and both cache dtypes."""
 import pytest
 import torch
@@ -17,63 +17,71 @@ def built():
     assert kernels.available(), "the CPU kernels must build here (gcc and ninja are dependencies of the tests)"
 
 
-QMAX = 127.0 * 256.0
+# how far from the float64 product each activation width may land (relative to the largest output)
+CLOSE_TO_FLOAT = {16: 1e-4, 8: 3e-2}
 
 
-def quantized_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dot layout's activations: per 32 inputs, xq = round(x * QMAX / amax), d = amax / QMAX."""
+def quantized_x(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dot layout's activations: per 32 inputs, xq = round(x * qmax / amax), d = amax / qmax
+    with qmax = 127 * 256 (16 bits) or 127 (8 bits)."""
+    qmax = 127.0 * 256.0 if bits == 16 else 127.0
     m, k = x.shape
     xb = x.reshape(m, k // 32, 32)
     amax = xb.abs().amax(-1, keepdim=True)
-    xq = torch.round(xb * torch.where(amax > 0, QMAX / amax, torch.zeros_like(amax)))
-    return xq.double(), (amax / QMAX).double()                    # (M, K/32, 32), (M, K/32, 1)
+    inv = torch.full_like(amax, qmax) / amax  # a true division, as the kernel does (qmax / amax is reciprocal * qmax)
+    xq = torch.round(xb * torch.where(amax > 0, inv, torch.zeros_like(amax)))
+    return xq.double(), (amax / qmax).double()                    # (M, K/32, 32), (M, K/32, 1)
 
 
-def int4_reference(x, q, scale, minimum):
+def int4_reference(x, q, scale, minimum, bits):
+    """float64 dequantize + matmul, and what the dot layout computes: the rounded x times the
+    exact weights (the minimum term too sees the rounded x)."""
     deq = int4.dequantize(q, scale, minimum).double()
     exact = x.double() @ deq.t()
     if not (kernels.dot_layout() and (q.shape[1] // scale.shape[1]) % 32 == 0):
         return exact, exact
-    n, k = q.shape
-    group = k // scale.shape[1]
-    xq, d = quantized_x(x)
-    dots = torch.einsum("mbk,nbk->mnb", xq, q.double().reshape(n, k // 32, 32))  # int sums per 32-block
-    s = scale.double().repeat_interleave(group // 32, dim=1)                      # (N, K/32)
-    y = (dots * d[:, None, :, 0] * s[None]).sum(-1)
-    xsum = x.double().reshape(x.shape[0], k // group, group).sum(-1)              # (M, G)
-    return y + xsum @ minimum.double().t(), exact
+    xq, d = quantized_x(x, bits)
+    return (xq * d).reshape(x.shape) @ deq.t(), exact
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("n,k,group", [(96, 256, 32), (40, 64, 64), (576, 1536, 128), (16, 32, 32), (32, 64, 16)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
-def test_int4_panels_equal_their_reference(n, k, group, m):
+def test_int4_panels_equal_their_reference(n, k, group, m, bits):
     torch.manual_seed(n + m)
     q, scale, minimum = int4.quantize_rtn(torch.randn(n, k), group)
     x = torch.randn(m, k)
-    got = kernels.int4_linear(x, kernels.pack_int4(q, scale, minimum))
-    ref, exact = int4_reference(x, q, scale, minimum)
+    w = kernels.pack_int4(q, scale, minimum)
+    w.act_bits = bits
+    got = kernels.int4_linear(x, w)
+    ref, exact = int4_reference(x, q, scale, minimum, bits)
     assert got.shape == (m, n)
     assert (got - ref).abs().max() <= 5e-5 * ref.abs().max()  # allows a rounding tie broken otherwise
-    assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()  # 16-bit activations: near float32
+    bound = CLOSE_TO_FLOAT[bits] if w.dot else 1e-4
+    assert (got - exact).abs().max() <= bound * exact.abs().max()
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("n,k", [(64, 128), (40, 96), (49, 576)])
 @pytest.mark.parametrize("m", [1, 8, 13])
-def test_int8_panels_equal_their_reference(n, k, m):
+def test_int8_panels_equal_their_reference(n, k, m, bits):
     torch.manual_seed(n * m)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) / 100
     x = torch.randn(m, k)
-    got = kernels.int8_linear(x, kernels.pack_int8(q, scale))
-    exact = x.double() @ (q.double() * scale.double()[:, None]).t()
+    w = kernels.pack_int8(q, scale)
+    w.act_bits = bits
+    got = kernels.int8_linear(x, w)
+    deq = q.double() * scale.double()[:, None]
+    exact = x.double() @ deq.t()
     ref = exact
-    if kernels.dot_layout() and k % 32 == 0:
-        xq, d = quantized_x(x)
-        ref = (torch.einsum("mbk,nbk->mnb", xq, q.double().reshape(n, k // 32, 32)) * d[:, None, :, 0]).sum(-1) \
-            * scale.double()
+    if w.dot:
+        xq, d = quantized_x(x, bits)
+        ref = (xq * d).reshape(x.shape) @ deq.t()
     assert got.shape == (m, n)
     assert (got - ref).abs().max() <= 5e-5 * ref.abs().max()
-    assert (got - exact).abs().max() <= 1e-4 * exact.abs().max()
+    bound = CLOSE_TO_FLOAT[bits] if w.dot else 1e-4
+    assert (got - exact).abs().max() <= bound * exact.abs().max()
 
 
 def test_results_do_not_depend_on_the_thread_count():

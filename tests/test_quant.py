@@ -117,17 +117,23 @@ def test_int4_group_size_must_divide(tiny_llama):
         loader.load(tiny_llama, "float32", torch.device("cpu"), load_tokenizer=False, quantization="fp4")
 
 
-def test_default_model_runs_quantized_and_stays_close(default_model):
+@pytest.mark.parametrize("activation_bits", [16, 8])
+def test_default_model_runs_quantized_and_stays_close(default_model, activation_bits):
     """GGUF Q4_1 layers become int4 (exactly, up to bf16 scales) and the Q8_0 embedding an int8
-    output head; next-token logits stay close to the dequantized float model's."""
+    output head; next-token logits stay close to the dequantized float model's, with 16-bit or
+    8-bit activations in the kernels (the head keeps 16)."""
     from tokenmill.models import loader
 
     ref = loader.load(default_model, "float32", torch.device("cpu"), quantization="none")
-    q = loader.load(default_model, "float32", torch.device("cpu"), quantization="auto")
+    q = loader.load(default_model, "float32", torch.device("cpu"), quantization="auto",
+                    activation_bits=activation_bits)
     layer0 = q.model.model.layers[0]
     assert isinstance(layer0.self_attn.qkv_proj.qweight, int4.Int4Weight)
     assert isinstance(layer0.mlp.gate_up_proj.qweight, int4.Int4Weight)
     assert q.model.tied_head_q is not None
+    if layer0.mlp.down_proj.qweight.panels is not None:
+        assert layer0.mlp.down_proj.qweight.panels.act_bits == activation_bits
+        assert q.model.tied_head_q.panels.act_bits == 16
     ids = torch.tensor(ref.tokenizer.encode("The quick brown fox jumps over the lazy dog because"))
     pos = torch.arange(len(ids))
     with torch.inference_mode():

@@ -206,14 +206,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"evaluation text {data} not found; pass --data FILE.")
     model_path = args.model or default_model_path()
     loaded = loader.load(model_path, args.dtype, resolve_device(args.device), quantization=args.quantization,
-                         group_size=args.quantization_group_size)
+                         group_size=args.quantization_group_size, activation_bits=args.activation_bits)
     with open(data, encoding="utf-8") as f:
         ids = loaded.tokenizer.encode(f.read(), add_special_tokens=False)
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     torch.manual_seed(0)
     result = perplexity(loaded.model, ids, args.context_len, args.stride)
-    result.update(model=model_path, data=os.path.abspath(data), quantization=args.quantization)
+    result.update(model=model_path, data=os.path.abspath(data), quantization=args.quantization,
+                  activation_bits=args.activation_bits)
     _emit(result, args.output_json)
     return 0
 
@@ -330,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--device", default="auto")
     pp.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 | awq | gptq (as for serving)")
     pp.add_argument("--quantization-group-size", type=int, default=32)
+    pp.add_argument("--activation-bits", type=int, default=16, help="16 | 8 (as for serving)")
     pp.add_argument("--output-json", default=None)
     pp.set_defaults(func=cmd_eval)
 

@@ -64,7 +64,7 @@ class LLMEngine:
         t0 = time.monotonic()
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
                              quantization=mc.quantization, group_size=mc.quantization_group_size,
-                             keep_float=mc.keep_float_weights)
+                             keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.dtype = next(loaded.model.parameters()).dtype
 

@@ -21,6 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LANES = 16  # output rows per panel: one AVX-512 register of float32
+ACT_BITS = (8, 16)  # activation integer widths of the dot layout
 _SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp", "pointwise.cpp")]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": result of the one attempt to build/load
@@ -75,6 +76,7 @@ class Int4Panels:
     m: torch.Tensor   # float32 (P, K/group, 16)
     out_features: int
     dot: bool = False
+    act_bits: int = 16  # dot layout: x rounded to 8- or 16-bit integers per 32 inputs (ACT_BITS)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class Int8Panels:
     s: torch.Tensor   # float32 (P*16,)
     out_features: int
     dot: bool = False
+    act_bits: int = 16
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -127,15 +130,22 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
 
 # --------------------------------------------------------------------------- ops
 def int4_linear(x: torch.Tensor, w: Int4Panels) -> torch.Tensor:
-    """x (..., K) float32 -> (..., N)."""
-    op = torch.ops.tokenmill.int4_linear_dot if w.dot else torch.ops.tokenmill.int4_linear
-    y = op(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.m, w.out_features)
+    """x (..., K) float32 -> (..., N). In the dot layout x is first rounded to `w.act_bits`-bit
+    integers per 32 inputs (the product is then exact); the float layout multiplies in float32."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if w.dot:
+        y = torch.ops.tokenmill.int4_linear_dot(x2, w.q, w.s, w.m, w.out_features, w.act_bits)
+    else:
+        y = torch.ops.tokenmill.int4_linear(x2, w.q, w.s, w.m, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Panels) -> torch.Tensor:
-    op = torch.ops.tokenmill.int8_linear_dot if w.dot else torch.ops.tokenmill.int8_linear
-    y = op(x.reshape(-1, x.shape[-1]).contiguous(), w.q, w.s, w.out_features)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    if w.dot:
+        y = torch.ops.tokenmill.int8_linear_dot(x2, w.q, w.s, w.out_features, w.act_bits)
+    else:
+        y = torch.ops.tokenmill.int8_linear(x2, w.q, w.s, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 

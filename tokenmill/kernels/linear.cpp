@@ -16,16 +16,17 @@
 //   and reused by every row of x in the tile (a GEMM with weight reuse, not a GEMV per row).
 //   Float32 arithmetic: equals dequantize + matmul up to summation order.
 //
-// dot layout (AVX512-VNNI): x is rounded to 16-bit integers per 32 inputs, x ~ d_b * xq with
-// xq = 256 h + l split into two int8 halves, and VPDPBUSD multiplies 4 weight bytes by 4
-// activation bytes per lane (once for h, once for l):
+// dot layout (AVX512-VNNI): x is rounded to 16- or 8-bit integers per 32 inputs, x ~ d_b * xq,
+// and VPDPBUSD multiplies 4 weight bytes by 4 activation bytes per lane. 16 bits: xq = 256 h + l
+// split into two int8 halves, one VPDPBUSD for h and one for l; 8 bits: xq = h, one VPDPBUSD.
 //   int4  q   uint8 (P, K/8, 16, 4)  byte [p, o, i, j] = q[n, 8o+j] | q[n, 8o+4+j] << 4
 //   int8  q   uint8 (P, K/4, 16, 4)  byte [p, o, i, j] = q[n, 4o+j] + 128   (unsigned for VPDPBUSD)
-//   y[n] = sum_b d_b s[n, g(b)] (q . xq)_b + sum_g m[n, g] (sum of x over g)        (int4)
+//   y[n] = sum_b d_b s[n, g(b)] (q . xq)_b + sum_g m[n, g] sum_{b in g} d_b sum(xq)_b   (int4)
 //   y[n] = s[n] sum_b d_b ((q + 128) . xq - 128 sum xq)_b                            (int8)
-//   One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer instructions per weight than
-//   the float layout, at the cost of rounding x to 16 bits per 32-block (a relative error of
-//   ~1e-5 of the block's largest input; 8 bits, as llama.cpp uses, cost ~1 % perplexity here).
+//   i.e. exactly round(x) . w. One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer
+//   instructions per weight than the float layout. 16 bits: a relative error of ~1e-5 of each
+//   block's largest input, float32-level; 8 bits (llama.cpp's Q8 arithmetic): ~1.6x faster at
+//   batch, +0.13 % perplexity on the default model.
 #include <functional>
 #include <string>
 #include <vector>
@@ -172,21 +173,23 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 constexpr bool kDot = true;
 constexpr int kDotRowTile = 4;  // 3 accumulators per row: 12 zmm + weights and broadcasts
 
-// x (M, K) float -> 16-bit integers per 32 inputs, x ~ d_b * (256 h + l), h and l int8 (M, K),
-// d (M, K/32), qsum (M, K/32) sums of 256 h + l, xsum (M, K/group) float sums of x per weight
-// group (the int4 minimum term). Rounding x to 16 bits (not llama.cpp's 8) keeps the product
-// within float32's accuracy for the perplexity budget, for two VPDPBUSDs per weight byte.
+// x (M, K) float -> integers per 32 inputs. 16 bits: x ~ d_b * (256 h + l), h and l int8 (M, K);
+// 8 bits: x ~ d_b * h (l unused), llama.cpp's Q8 activations. d (M, K/32), qsum (M, K/32) sums of
+// the integers, xsum (M, K/group) sums of the rounded x per weight group (the int4 minimum term):
+// the product equals round(x) . w exactly, up to float32 summation.
+// 16 bits keep the product within float32's accuracy; 8 bits halve the VPDPBUSDs per weight byte
+// for +0.13 % perplexity on the default model (benchmarks/RESULTS.md).
 struct QuantizedX {
   std::vector<int8_t> h, l;
   std::vector<float> d, xsum;
   std::vector<int32_t> qsum;
 };
 
-constexpr float kQMax = 127.f * 256.f;  // |256 h + l| <= 32512 keeps h in [-127, 127]
-
-QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group) {
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, bool wide) {
   const int64_t nb = K / 32, ng = group ? K / group : 0;
-  QuantizedX r{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(M * nb),
+  // |256 h + l| <= 32512 keeps h in [-127, 127]
+  const float qmax = wide ? 127.f * 256.f : 127.f;
+  QuantizedX r{std::vector<int8_t>(M * K), std::vector<int8_t>(wide ? M * K : 0), std::vector<float>(M * nb),
                std::vector<float>(M * ng), std::vector<int32_t>(M * nb)};
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0; i < r1; ++i) {
@@ -194,23 +197,27 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group) {
         const int64_t off = i * K + b * 32;
         const __m512 a = _mm512_loadu_ps(x + off), c = _mm512_loadu_ps(x + off + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? kQMax / amax : 0.f);
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? qmax / amax : 0.f);
         int32_t sum = 0;
         for (int half = 0; half < 2; ++half) {
           const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(half ? c : a, inv));  // round to nearest
+          sum += _mm512_reduce_add_epi32(q);
+          if (!wide) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.h.data() + off + 16 * half), _mm512_cvtsepi32_epi8(q));
+            continue;
+          }
           const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);  // floor
           const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));                    // [-128, 127]
           _mm_storeu_si128(reinterpret_cast<__m128i*>(r.h.data() + off + 16 * half), _mm512_cvtepi32_epi8(hi));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l.data() + off + 16 * half), _mm512_cvtepi32_epi8(lo));
-          sum += _mm512_reduce_add_epi32(q);
         }
-        r.d[i * nb + b] = amax / kQMax;
+        r.d[i * nb + b] = amax / qmax;
         r.qsum[i * nb + b] = sum;
       }
-      for (int64_t g = 0; g < ng; ++g) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t k = g * group; k < (g + 1) * group; k += 16) acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + i * K + k));
-        r.xsum[i * ng + g] = _mm512_reduce_add_ps(acc);
+      for (int64_t g = 0; g < ng; ++g) {  // the rounded x's sum: the error of q.x and m.x then cancel
+        float acc = 0.f;
+        for (int64_t b = g * (group / 32); b < (g + 1) * (group / 32); ++b) acc += r.d[i * nb + b] * r.qsum[i * nb + b];
+        r.xsum[i * ng + g] = acc;
       }
     }
   });
@@ -223,8 +230,9 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// MT rows times one int4 panel: per row two int32 chains, weights times h and weights times l.
-template <int MT>
+// MT rows times one int4 panel: per row an int32 chain of weights times h and, for 16-bit x
+// (W), one of weights times l.
+template <int MT, bool W>
 void int4_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, int64_t group, const uint8_t* q,
                    const float* s, const float* m, float* y, int64_t ldy, int nvalid) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32;
@@ -241,13 +249,14 @@ void int4_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, int64_t group,
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < MT; ++r) {
           const int64_t at = (row0 + r) * K + b * 32 + o * 8;
-          const int8_t *xh = xq.h.data() + at, *xl = xq.l.data() + at;
+          const int8_t *xh = xq.h.data() + at, *xl = W ? xq.l.data() + at : nullptr;
           hacc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hacc[r], lo, bcast4(xh)), hi, bcast4(xh + 4));
-          lacc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lacc[r], lo, bcast4(xl)), hi, bcast4(xl + 4));
+          if constexpr (W)
+            lacc[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lacc[r], lo, bcast4(xl)), hi, bcast4(xl + 4));
         }
       }
       for (int r = 0; r < MT; ++r) {
-        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(hacc[r], 8), lacc[r]);
+        const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r], 8), lacc[r]) : hacc[r];
         acc[r] += v16f(_mm512_cvtepi32_ps(dot)) * (sw * xq.d[(row0 + r) * nb + b]);
       }
     }
@@ -256,7 +265,7 @@ void int4_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, int64_t group,
   for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r], nvalid);
 }
 
-template <int MT>
+template <int MT, bool W>
 void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t* q, const float* s,
                    float* y, int64_t ldy, int nvalid) {
   const int64_t nb = K / 32;
@@ -270,11 +279,11 @@ void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t*
       for (int r = 0; r < MT; ++r) {
         const int64_t at = (row0 + r) * K + b * 32 + o * 4;
         hacc[r] = _mm512_dpbusd_epi32(hacc[r], v, bcast4(xq.h.data() + at));
-        lacc[r] = _mm512_dpbusd_epi32(lacc[r], v, bcast4(xq.l.data() + at));
+        if constexpr (W) lacc[r] = _mm512_dpbusd_epi32(lacc[r], v, bcast4(xq.l.data() + at));
       }
     }
-    for (int r = 0; r < MT; ++r) {  // (q + 128) . x16 - 128 sum(x16)
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(hacc[r], 8), lacc[r]),
+    for (int r = 0; r < MT; ++r) {  // (q + 128) . xq - 128 sum(xq)
+      const __m512i dot = _mm512_sub_epi32(W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r], 8), lacc[r]) : hacc[r],
                                            _mm512_set1_epi32(128 * xq.qsum[(row0 + r) * nb + b]));
       acc[r] += v16f(_mm512_cvtepi32_ps(dot)) * xq.d[(row0 + r) * nb + b];
     }
@@ -283,11 +292,22 @@ void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t*
   for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r] * sw, nvalid);
 }
 
-TILE_ADAPTER(Int4DotTile, int4_dot_tile)
-TILE_ADAPTER(Int8DotTile, int8_dot_tile)
+#define DOT_TILE_ADAPTER(Name, fn, W)             \
+  template <int MT>                                 \
+  struct Name {                                     \
+    template <typename... A>                        \
+    static void run(A... a) { fn<MT, W>(a...); }    \
+  };
+DOT_TILE_ADAPTER(Int4Dot16Tile, int4_dot_tile, true)
+DOT_TILE_ADAPTER(Int4Dot8Tile, int4_dot_tile, false)
+DOT_TILE_ADAPTER(Int8Dot16Tile, int8_dot_tile, true)
+DOT_TILE_ADAPTER(Int8Dot8Tile, int8_dot_tile, false)
+
+void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
-                           int64_t N) {
+                           int64_t N, int64_t bits) {
+  check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "int4 dot weights must be uint8 (P, K/8, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 8, G = s.size(1);
@@ -297,19 +317,23 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
-  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(P, M, N, kDotRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
-    dispatch_rows<Int4DotTile>(rows, std::cref(xq), r, K, group, qp + p * K * 8, sp + p * G * kLanes,
-                               mp + p * G * kLanes, yp + r * N + p * kLanes, N, nvalid);
+  for_each_tile(P, M, N, bits == 16 ? kDotRowTile : kRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+    const uint8_t* qt = qp + p * K * 8;
+    const float *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
+    float* yt = yp + r * N + p * kLanes;
+    if (bits == 16) dispatch_rows<Int4Dot16Tile>(rows, std::cref(xq), r, K, group, qt, st, mt, yt, N, nvalid);
+    else dispatch_rows<Int4Dot8Tile>(rows, std::cref(xq), r, K, group, qt, st, mt, yt, N, nvalid);
   });
   return y;
 }
 
-at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N) {
+at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits) {
+  check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "int8 dot weights must be uint8 (P, K/4, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 4;
@@ -319,14 +343,16 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
-  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(P, M, N, kDotRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
-    dispatch_rows<Int8DotTile>(rows, std::cref(xq), r, K, qp + p * K * kLanes, sp + p * kLanes,
-                               yp + r * N + p * kLanes, N, nvalid);
+  for_each_tile(P, M, N, bits == 16 ? kDotRowTile : kRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+    const uint8_t* qt = qp + p * K * kLanes;
+    float* yt = yp + r * N + p * kLanes;
+    if (bits == 16) dispatch_rows<Int8Dot16Tile>(rows, std::cref(xq), r, K, qt, sp + p * kLanes, yt, N, nvalid);
+    else dispatch_rows<Int8Dot8Tile>(rows, std::cref(xq), r, K, qt, sp + p * kLanes, yt, N, nvalid);
   });
   return y;
 }
@@ -344,8 +370,8 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
-  m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
+  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits) -> Tensor");
+  m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N, int bits) -> Tensor");
 #endif
 }
 

@@ -61,11 +61,13 @@ class Linear(nn.Module):
                              f"expected ({size}, {', '.join(map(str, param.shape[1:]))})")
         param.data[start:start + size].copy_(loaded)
 
-    def quantize(self, policy: str, group_size: int, allow_int4: bool = True, keep_float: bool = False) -> None:
+    def quantize(self, policy: str, group_size: int, allow_int4: bool = True, keep_float: bool = False,
+                 activation_bits: int = 16) -> None:
         """Replace the float weight by a quantized one according to `policy`:
         auto (awq, gptq): exact int4/int8 where the checkpoint stored those (GGUF Q4_0/Q4_1, AWQ, GPTQ),
         int8 for other quantized tensors;
-        int8 / int4: round-to-nearest for the rest too; none: keep float."""
+        int8 / int4: round-to-nearest for the rest too; none: keep float.
+        `activation_bits` (8 | 16): what the VNNI kernels round inputs to (`tokenmill.kernels`)."""
         if policy == "int4" and group_size not in int4.GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {int4.GROUP_SIZES}, got {group_size}.")
         expected = list(self.shard_offsets) or [None]
@@ -86,6 +88,8 @@ class Linear(nn.Module):
         elif policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and self.quantized_source):
             self.qweight = int8.quantize_rtn(self.weight.data)
         self._int4_parts, self._int8_parts, self._input_perms = {}, {}, {}
+        if getattr(self.qweight, "panels", None) is not None:
+            self.qweight.panels.act_bits = activation_bits
         if self.qweight is not None:
             self.float_weight = self.weight.data if keep_float else None
             self.weight = None

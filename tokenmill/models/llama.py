@@ -109,13 +109,16 @@ class CausalLM(nn.Module):
             return int8.matmul(hidden, self.tied_head_q).float()
         return F.linear(hidden, self.model.embed_tokens.weight).float()
 
-    def quantize(self, policy: str, group_size: int, keep_float: bool = False) -> None:
+    def quantize(self, policy: str, group_size: int, keep_float: bool = False, activation_bits: int = 16) -> None:
         """Swap float weights for int4/int8 ones (see `Linear.quantize`). The output projection
-        gets int8 at most: int4 logits cost too much accuracy for the bytes they save.
+        gets int8 at most and 16-bit activations: the logits decide sampling, and int4 or 8-bit
+        rounding there costs more accuracy than the time it saves.
         `keep_float` keeps the float weights too, for steps with many tokens."""
         for name, module in self.named_modules():
             if isinstance(module, Linear):
-                module.quantize(policy, group_size, allow_int4=name != "lm_head", keep_float=keep_float)
+                head = name == "lm_head"
+                module.quantize(policy, group_size, allow_int4=not head, keep_float=keep_float,
+                                activation_bits=16 if head else activation_bits)
         embed_q = "model.embed_tokens.weight" in self.quantized_sources
         if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
             self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)

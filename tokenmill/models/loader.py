@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.layers.linear import PREQUANTIZED, QUANT_POLICIES
 from tokenmill.models import hf_quant
 from tokenmill.models.arch import ArchConfig
@@ -29,16 +30,19 @@ class LoadedModel:
 
 
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
-         quantization: str = "auto", group_size: int = 32, keep_float: bool = False) -> LoadedModel:
+         quantization: str = "auto", group_size: int = 32, keep_float: bool = False,
+         activation_bits: int = 16) -> LoadedModel:
     """`quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
-    checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels are
-    PyTorch's CPU ones; on other devices weights stay in the model dtype."""
+    checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels run on
+    CPU; on other devices weights stay in the model dtype. `activation_bits`: see ModelConfig."""
     if quantization not in QUANT_POLICIES:
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
+    if activation_bits not in kernels.ACT_BITS:
+        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}.")
     loaded = _load(path, dtype, device, load_tokenizer, quantization)
     if device.type != "cpu":
         quantization = "none"
-    loaded.model.quantize(quantization, group_size, keep_float)
+    loaded.model.quantize(quantization, group_size, keep_float, activation_bits)
     return loaded
 
 
