@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Microbenchmark of the matmul kernels tokenmill can use on CPU, for one layer shape, across
-batch rows: tokenmill's int4/int8 panel kernels (tokenmill/kernels), PyTorch's int4
+batch rows: tokenmill's int4/int8 panel kernels (tokenmill/kernels; on VNNI CPUs with 16-bit and,
+as `_a8`, 8-bit activations), PyTorch's int4
 (`_weight_int4pack_mm_for_cpu`, bf16 activations), int8 (`_weight_int8pack_mm`) and float32 GEMM.
 Explains the choices in quant/ and layers/linear.py. (Not named kernels.py: transformers imports
 any importable module of that name.)
@@ -50,8 +51,11 @@ for m in [int(r) for r in a.rows.split(",")]:
     reps = max(3, 2000 // (m * max(1, a.n // 1536)))
     row = {"rows": m}
     if tm4 is not None:
-        row["tokenmill_int4_us"] = timed(lambda: kernels.int4_linear(x, tm4), reps)
-        row["tokenmill_int8_us"] = timed(lambda: kernels.int8_linear(x, tm8), reps)
+        for bits in (16, 8) if tm4.dot else (16,):  # activation bits: only the dot layout has a choice
+            tm4.act_bits = tm8.act_bits = bits
+            tag = "" if bits == 16 else "_a8"
+            row[f"tokenmill_int4{tag}_us"] = timed(lambda: kernels.int4_linear(x, tm4), reps)
+            row[f"tokenmill_int8{tag}_us"] = timed(lambda: kernels.int8_linear(x, tm8), reps)
         row["tokenmill_layout"] = "dot" if tm4.dot else "float"
     row.update({"torch_int4_bf16_us": timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz), reps),
                 "torch_int8_bf16_us": timed(lambda: torch._weight_int8pack_mm(xb, w8.q, scale8), reps),
