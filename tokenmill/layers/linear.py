@@ -88,9 +88,9 @@ class Linear(nn.Module):
         elif policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and self.quantized_source):
             self.qweight = int8.quantize_rtn(self.weight.data)
         self._int4_parts, self._int8_parts, self._input_perms = {}, {}, {}
-        if getattr(self.qweight, "panels", None) is not None:
-            self.qweight.panels.act_bits = activation_bits
         if self.qweight is not None:
+            if self.qweight.panels is not None:
+                self.qweight.panels.act_bits = activation_bits
             self.float_weight = self.weight.data if keep_float else None
             self.weight = None
 
