@@ -93,15 +93,16 @@ void dispatch_rows(int rows, Args... args) {
   }
 }
 
-// Tile<MT>::run(args...) calls fn<MT>(args...): lets dispatch_rows pick MT at run time.
-#define TILE_ADAPTER(Name, fn)                      \
+// Tile<MT>::run(args...) calls the tile function named by the rest of the arguments, which may use
+// MT (e.g. int4_tile<MT>): lets dispatch_rows pick MT at run time.
+#define TILE_ADAPTER(Name, ...)                     \
   template <int MT>                                 \
   struct Name {                                     \
     template <typename... A>                        \
-    static void run(A... a) { fn<MT>(a...); }       \
+    static void run(A... a) { __VA_ARGS__(a...); }  \
   };
-TILE_ADAPTER(Int4Tile, int4_tile)
-TILE_ADAPTER(Int8Tile, int8_tile)
+TILE_ADAPTER(Int4Tile, int4_tile<MT>)
+TILE_ADAPTER(Int8Tile, int8_tile<MT>)
 
 // Panels split across threads; each walks all rows of x `tile` rows at a time, so a panel's
 // weights stay in L1 while x streams from L2. call(p, r, rows, nvalid): panel p, rows [r, r+rows).
@@ -119,6 +120,11 @@ void check_n(int64_t N, int64_t P) {
   TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
 }
 
+void check_scales_mins(const at::Tensor& s, const at::Tensor& m, int64_t P) {
+  TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
+              s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
+}
+
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be (M, ", K, "), got ", x.sizes());
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
@@ -130,8 +136,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int4 weights must be uint8 (P, K/2, 16)");
   const int64_t P = q.size(0), K = q.size(1) * 2, G = s.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 2 == 0, "group size must be even and divide K");
-  TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
-              s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
+  check_scales_mins(s, m, P);
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
@@ -292,16 +297,10 @@ void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t*
   for (int r = 0; r < MT; ++r) store(y + r * ldy, acc[r] * sw, nvalid);
 }
 
-#define DOT_TILE_ADAPTER(Name, fn, W)             \
-  template <int MT>                                 \
-  struct Name {                                     \
-    template <typename... A>                        \
-    static void run(A... a) { fn<MT, W>(a...); }    \
-  };
-DOT_TILE_ADAPTER(Int4Dot16Tile, int4_dot_tile, true)
-DOT_TILE_ADAPTER(Int4Dot8Tile, int4_dot_tile, false)
-DOT_TILE_ADAPTER(Int8Dot16Tile, int8_dot_tile, true)
-DOT_TILE_ADAPTER(Int8Dot8Tile, int8_dot_tile, false)
+TILE_ADAPTER(Int4Dot16Tile, int4_dot_tile<MT, true>)
+TILE_ADAPTER(Int4Dot8Tile, int4_dot_tile<MT, false>)
+TILE_ADAPTER(Int8Dot16Tile, int8_dot_tile<MT, true>)
+TILE_ADAPTER(Int8Dot8Tile, int8_dot_tile<MT, false>)
 
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
@@ -312,8 +311,7 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
               "int4 dot weights must be uint8 (P, K/8, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 8, G = s.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "group size must be a multiple of 32 dividing K");
-  TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
-              s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
+  check_scales_mins(s, m, P);
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
