@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 LANES = 16  # output rows per panel: one AVX-512 register of float32
 ACT_BITS = (8, 16)  # activation integer widths of the dot layout
-_SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp", "pointwise.cpp")]
+_SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp", "pointwise.cpp", "stack.cpp")]
 _lock = threading.Lock()
 _state: dict[str, bool] = {}  # "loaded": result of the one attempt to build/load
 

@@ -1,6 +1,6 @@
 // Paged decode attention over tokenmill's KV cache: one query token per sequence, K/V read from
 // their blocks in place (no gather into a padded batch), float32 or float16 cache.
-#include "vec.h"
+#include "ops.h"
 
 namespace tokenmill {
 namespace {
@@ -130,6 +130,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
+}  // namespace
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float (B, Hq, D)");
@@ -151,7 +153,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-}  // namespace
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {

@@ -31,7 +31,7 @@
 #include <string>
 #include <vector>
 
-#include "vec.h"
+#include "ops.h"
 
 namespace tokenmill {
 namespace {
@@ -130,6 +130,8 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32");
 }
 
+}  // namespace
+
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
                        int64_t N) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == kLanes && q.is_contiguous(),
@@ -174,7 +176,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   return y;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+#ifdef TOKENMILL_DOT
 constexpr bool kDot = true;
 constexpr int kDotRowTile = 4;  // 3 accumulators per row: 12 zmm + weights and broadcasts
 
@@ -304,6 +307,8 @@ TILE_ADAPTER(Int8Dot8Tile, int8_dot_tile<MT, false>)
 
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
+}  // namespace
+
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
                            int64_t N, int64_t bits) {
   check_bits(bits);
@@ -355,19 +360,19 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   return y;
 }
 #else
+}  // namespace
 constexpr bool kDot = false;
 #endif
 
 std::string layout() { return kDot ? "dot" : "float"; }
 
-}  // namespace
 }  // namespace tokenmill
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("layout", &tokenmill::layout);
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef TOKENMILL_DOT
   m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits) -> Tensor");
   m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N, int bits) -> Tensor");
 #endif
@@ -376,7 +381,7 @@ TORCH_LIBRARY(tokenmill, m) {
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("int4_linear", &tokenmill::int4_linear);
   m.impl("int8_linear", &tokenmill::int8_linear);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#ifdef TOKENMILL_DOT
   m.impl("int4_linear_dot", &tokenmill::int4_linear_dot);
   m.impl("int8_linear_dot", &tokenmill::int8_linear_dot);
 #endif

@@ -1,10 +1,9 @@
 // Row-wise float32 ops that PyTorch runs as several kernels each on CPU (RMSNorm: pow, mean, add,
 // rsqrt, mul, mul; rotary: chunk, four muls, add, sub, cat), each one pass here. At batch 1 the
 // per-op dispatch, not the arithmetic, is their cost.
-#include "vec.h"
+#include "ops.h"
 
 namespace tokenmill {
-namespace {
 
 // y = x / sqrt(mean(x^2) + eps) * w, per row; x (T, H) with contiguous rows.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -55,7 +54,6 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
-}  // namespace
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {

@@ -15,11 +15,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.usable_for(x):
+            return kernels.rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
         if self.offset:
             y = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
             return (y * (self.offset + self.weight.float())).to(x.dtype)
-        if kernels.usable_for(x):
-            return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import Attention
+from tokenmill.layers.attention import Attention, get_forward_context
 from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -90,6 +90,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.tied_head_q: int8.Int8Weight | None = None  # int8 copy of a tied embedding for the output
         self.quantized_sources: set[str] = set()         # parameters stored quantized in the checkpoint
+        self.decode_stack = None  # all layers as one native call for decode steps (models/decode_stack.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
@@ -97,8 +98,14 @@ class CausalLM(nn.Module):
         if self.cfg.embed_scale:
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
         rope = self.rotary.lookup(positions)
-        for layer in self.model.layers:
-            h = layer(rope, h)
+        meta = get_forward_context()
+        if self.decode_stack is not None and meta is not None and meta.all_decode:
+            cos, sin = (t.view(t.shape[0], -1) for t in rope)
+            h = self.decode_stack.forward(h, cos, sin, meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_context_lens)
+        else:
+            for layer in self.model.layers:
+                h = layer(rope, h)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
+from tokenmill.models import decode_stack
 from tokenmill.models.llama import CausalLM
 from tokenmill.runner import kv_cache
 from tokenmill.sampling.sampler import Sampler, SamplingRow
@@ -36,6 +37,7 @@ class ModelRunner:
         self.cache = kv_cache.allocate(model.cfg, num_blocks, block_size, dtype, device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.cache[0, i], self.cache[1, i]
+        model.decode_stack = decode_stack.build(model)
         self.sampler = Sampler()
         self.states: dict[str, _ReqState] = {}
 

@@ -1,0 +1,24 @@
+// The kernels' entry points, callable from C++ too: the decode stack (stack.cpp) chains them
+// without a trip through Python or the dispatcher.
+#pragma once
+#include "vec.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define TOKENMILL_DOT 1
+#endif
+
+namespace tokenmill {
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m, int64_t N);
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N);
+#ifdef TOKENMILL_DOT
+at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
+                           int64_t N, int64_t bits);
+at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits);
+#endif
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+}  // namespace tokenmill
