@@ -138,6 +138,34 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
     assert (got - ref).abs().max() <= 2e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("start,n,bs,hq,hkv,d", [
+    (1008, 48, 16, 9, 3, 64),   # SmolLM2: a question after a cached 1,000-token prompt
+    (0, 37, 16, 9, 3, 64),      # no earlier context: plain causal
+    (250, 3, 8, 14, 2, 64),     # Qwen2.5-0.5B's grouping; short blocks; a tiny chunk
+    (31, 40, 32, 4, 4, 128),    # no GQA; blocks longer than the 32-token chunk; tiles of 16 + rest
+    (5, 1, 16, 4, 2, 16),       # one query
+])
+def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype):
+    from tokenmill.layers.attention import _sdpa_batched, gather_blocks
+    g = torch.Generator().manual_seed(start + n)
+    width = -(-(start + n) // bs)
+    num_blocks = width + 6
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:width]
+    q = torch.randn(n, hq, d, generator=g)
+    scale = d ** -0.5
+    got = kernels.paged_context_attention(q, kc, vc, table, start, scale)
+    mask = torch.arange(width * bs)[None, :] <= torch.arange(start, start + n)[:, None]
+    ref = _sdpa_batched(q[None], gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float(),
+                        scale, mask[None, None])[0]
+    assert got.shape == q.shape
+    assert (got - ref).abs().max() <= 2e-5
+    with pytest.raises(RuntimeError, match="does not cover"):
+        kernels.paged_context_attention(q, kc, vc, table[:-1], start, scale)
+
+
 def test_paged_decode_attention_rejects_bad_block_ids():
     q, kc, vc, tables, lens_t, _ = _paged(1, [20], 16, 4, 2, 64, torch.float32, seed=0)
     tables[0, 1] = kc.shape[0] + 7

@@ -1,6 +1,7 @@
 """tokenmill's own CPU kernels: int4/int8 weight-only linear layers that reuse each unpacked
 weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs),
-paged decode attention that reads K/V blocks in place (attention.cpp), and one-pass RMSNorm and
+paged attention (decode, and prompt chunks over a cached context) that reads K/V blocks in place
+(attention.cpp), all decoder layers of a decode step in one call (stack.cpp), and one-pass RMSNorm and
 rotary embedding (pointwise.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
 minute once); where that fails (no compiler) the callers keep PyTorch's kernels and say so once.
 
@@ -157,6 +158,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                       context_lens, scale)
 
 
+def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """One sequence's prompt chunk over its cached context: q (T, Hq, D) at positions start..start+T-1,
+    whose K/V are already in the cache; block_table (W,) int64 -> (T, Hq, D), causal."""
+    return torch.ops.tokenmill.paged_context_attention(q.contiguous(), k_cache, v_cache, block_table, start, scale)
+
+
 def usable_for(x: torch.Tensor) -> bool:
     """The row-wise kernels take float32 CPU tensors outside autograd (training keeps PyTorch's ops)."""
     return x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
@@ -173,7 +181,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def supports_attention(q_dtype: torch.dtype, cache: torch.Tensor, num_heads: int) -> bool:
-    """What the decode kernel handles: float32 queries, float32/float16 CPU caches, head_dim a
+    """What the paged attention kernels handle: float32 queries, float32/float16 CPU caches, head_dim a
     multiple of 16 up to 256, up to 16 query heads per KV head."""
     hkv, d = cache.shape[2:]
     return (cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.float16) and q_dtype == torch.float32

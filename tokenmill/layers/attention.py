@@ -27,6 +27,7 @@ class PrefillSegment:
     q_end: int
     block_table: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    start: int = 0  # position of the chunk's first token: the cached context before it
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Attention(nn.Module):
         # Views into the runner's cache, (num_blocks, block_size, num_kv_heads, head_dim) each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
-        self.use_kernel: bool | None = None  # paged decode kernel usable with this cache (found once)
+        self.use_kernel: bool | None = None  # the paged CPU kernels read this cache (found once)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
@@ -75,10 +76,10 @@ class Attention(nn.Module):
             k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
+        if self.use_kernel is None:
+            self.use_kernel = kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
         if meta.decode_idx is not None:
             qd = q if meta.all_decode else q[meta.decode_idx]              # (B, Hq, D)
-            if self.use_kernel is None:
-                self.use_kernel = kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
             if self.use_kernel:  # reads the blocks in place
                 od = kernels.paged_decode_attention(qd, self.k_cache, self.v_cache, meta.decode_block_tables,
                                                     meta.decode_context_lens, self.scale)
@@ -93,6 +94,9 @@ class Attention(nn.Module):
             if seg.block_table is None:
                 out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end].to(q.dtype),
                                                    v[seg.q_start:seg.q_end].to(q.dtype), self.scale, causal=True)
+            elif self.use_kernel:  # reads the context's blocks in place
+                out[seg.q_start:seg.q_end] = kernels.paged_context_attention(qs, self.k_cache, self.v_cache,
+                                                                             seg.block_table, seg.start, self.scale)
             else:
                 kc = gather_blocks(self.k_cache, seg.block_table[None]).to(q.dtype)
                 vc = gather_blocks(self.v_cache, seg.block_table[None]).to(q.dtype)

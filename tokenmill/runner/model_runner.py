@@ -140,7 +140,7 @@ class ModelRunner:
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
             meta.all_decode = not prefills
         for q_start, n, start, table in prefills:
-            seg = PrefillSegment(q_start, q_start + n)
+            seg = PrefillSegment(q_start, q_start + n, start=start)
             if start > 0:  # earlier chunks are in the cache: attend over the whole context
                 seg.block_table = torch.tensor(table, dtype=torch.long, device=dev)
                 q_pos = torch.arange(start, start + n, device=dev)
