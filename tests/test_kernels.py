@@ -1,9 +1,11 @@
 """tokenmill's CPU kernels against their references: the int4/int8 panel GEMMs against
 dequantize + matmul in float64 (float layout) or its exact integer emulation (dot layout, x
-rounded to 8- or 16-bit integers per 32 inputs), paged decode attention against gather-then-SDPA, over the shapes
-that exercise row tiles, padded panels, block chunks, GQA groups and both cache dtypes."""
+rounded to 8- or 16-bit integers per 32 inputs), paged decode and context attention against
+gather-then-SDPA, the pointwise ops against PyTorch, over the shapes that exercise row tiles, padded
+panels, block chunks, GQA groups and both cache dtypes."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenmill import kernels
 from tokenmill.layers.attention import decode_reference
@@ -190,3 +192,13 @@ def test_rms_norm_and_rotary_equal_pytorch():
         got_norm, got_rot = norm(x), apply_rotary(qk, cos, sin)
     assert (got_norm - ref_norm).abs().max() <= 1e-5 and (got_rot - ref_rot).abs().max() <= 1e-5
     assert got_rot.is_contiguous()
+
+
+def test_silu_mul_equals_pytorch():
+    torch.manual_seed(0)
+    gu = torch.randn(5, 2 * 100) * 6  # 100: six full vectors and a tail; large |x| for exp's range
+    gu[0, :4] = torch.tensor([-120.0, 120.0, 0.0, -88.5])
+    ref = F.silu(gu[:, :100]) * gu[:, 100:]
+    got = kernels.silu_mul(gu)
+    assert got.shape == (5, 100)
+    assert torch.allclose(got, ref, rtol=2e-6, atol=1e-30)

@@ -1,8 +1,8 @@
 """tokenmill's own CPU kernels: int4/int8 weight-only linear layers that reuse each unpacked
 weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs),
 paged attention (decode, and prompt chunks over a cached context) that reads K/V blocks in place
-(attention.cpp), all decoder layers of a decode step in one call (stack.cpp), and one-pass RMSNorm and
-rotary embedding (pointwise.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
+(attention.cpp), all decoder layers of a decode step in one call (stack.cpp), and one-pass RMSNorm,
+rotary embedding and SiLU-and-multiply (pointwise.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
 minute once); where that fails (no compiler) the callers keep PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layout only; it imports nothing from tokenmill.
@@ -178,6 +178,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of x (T, H, D) -> contiguous (T, H, D); cos/sin (T, D/2)."""
     return torch.ops.tokenmill.rotary(x, cos.reshape(x.shape[0], -1), sin.reshape(x.shape[0], -1))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) = [gate | up] float32 -> silu(gate) * up, (T, I), in one pass."""
+    return torch.ops.tokenmill.silu_mul(gate_up)
 
 
 def supports_attention(q_dtype: torch.dtype, cache: torch.Tensor, num_heads: int) -> bool:

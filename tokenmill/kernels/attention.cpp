@@ -6,38 +6,6 @@
 namespace tokenmill {
 namespace {
 
-inline float hsum(v16f v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(v);
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
-
-// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (relative error
-// ~2e-7, as good as expf for softmax); x below -87 gives 0.
-inline v16f exp16(v16f x) {
-  const v16f lo = v16f{} - 87.f;
-  x = x < lo ? lo : x;  // lane-wise select
-  const v16f t = x * 1.44269504f;
-  v16f n = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? v16f{} - 0.5f : v16f{} + 0.5f),
-                                                           v16si), v16f);  // round to nearest
-  const v16f r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 in two parts
-  v16f p = v16f{} + 1.3981999e-3f;
-  p = p * r + 8.3334519e-3f;
-  p = p * r + 4.1665795e-2f;
-  p = p * r + 1.6666666e-1f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v16si bits = (__builtin_convertvector(n, v16si) + 127) << 23;
-  v16f scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // 16 cache elements -> 16 floats: float32 as is, float16 widened (F16C on x86).
 inline v16f load_kv(const float* p) { return load(p); }
 inline v16f load_kv(const at::Half* p) {

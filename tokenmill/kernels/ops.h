@@ -22,5 +22,6 @@ at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& block_table, int64_t start, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_mul(const at::Tensor& gate_up);
 
 }  // namespace tokenmill

@@ -1,5 +1,5 @@
 // Row-wise float32 ops that PyTorch runs as several kernels each on CPU (RMSNorm: pow, mean, add,
-// rsqrt, mul, mul; rotary: chunk, four muls, add, sub, cat), each one pass here. At batch 1 the
+// rsqrt, mul, mul; rotary: chunk, four muls, add, sub, cat; SiLU-and-multiply), each one pass here. At batch 1 the
 // per-op dispatch, not the arithmetic, is their cost.
 #include "ops.h"
 
@@ -54,14 +54,40 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// The gated MLP's middle: gu (T, 2I) = [gate | up] -> silu(gate) * up (T, I), in one pass
+// instead of PyTorch's silu, then mul (each a kernel launch and a pass over memory).
+at::Tensor silu_mul(const at::Tensor& gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == at::kFloat && gu.stride(1) == 1 && gu.size(1) % 2 == 0,
+              "gate_up must be float (T, 2I)");
+  const int64_t T = gu.size(0), I = gu.size(1) / 2, ld = gu.stride(0);
+  at::Tensor y = at::empty({T, I}, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float *g = gp + t * ld, *u = g + I;
+      float* o = yp + t * I;
+      int64_t i = 0;
+      for (; i + kLanes <= I; i += kLanes) {
+        const v16f x = load(g + i);
+        store(o + i, x / (1.f + exp16(v16f{} - x)) * load(u + i), kLanes);
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return y;
+}
+
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("rotary", &tokenmill::rotary);
+  m.impl("silu_mul", &tokenmill::silu_mul);
 }

@@ -108,6 +108,7 @@ class DecodeStack : public torch::CustomClassHolder {
                      at::Tensor context_lens) {
     TORCH_CHECK(!layers_.empty() && layers_.back().proj.size() == 4, "the stack is incomplete");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be float (B, hidden)");
+    h = h.clone();  // the residual stream, updated in place
     const int64_t B = h.size(0), qkv_n = (hq_ + 2 * hkv_) * d_, row = hkv_ * d_;
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
                 "one int64 cache slot per sequence");
@@ -124,9 +125,9 @@ class DecodeStack : public torch::CustomClassHolder {
                    L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>());
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_).contiguous(), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_);
-      h = h + L.proj[1](o.view({B, hq_ * d_}));
+      add_into(h, L.proj[1](o.view({B, hq_ * d_})));
       const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
-      h = h + L.proj[3](activation(gu.narrow(1, 0, inter_)) * gu.narrow(1, inter_, inter_));
+      add_into(h, L.proj[3](activation(gu)));
     }
     return h;
   }
@@ -136,12 +137,19 @@ class DecodeStack : public torch::CustomClassHolder {
  private:
   int64_t hidden() const { return layers_.back().in_norm.numel(); }
 
-  at::Tensor activation(const at::Tensor& x) const {
-    switch (act_) {
-      case kSilu: return at::silu(x);
-      case kGelu: return at::gelu(x);
-      default: return at::gelu(x, "tanh");
-    }
+  // gu (B, 2I) = [gate | up] -> act(gate) * up, as MLP.forward computes it
+  at::Tensor activation(const at::Tensor& gu) const {
+    if (act_ == kSilu) return silu_mul(gu);
+    const at::Tensor gate = gu.narrow(1, 0, inter_), up = gu.narrow(1, inter_, inter_);
+    return (act_ == kGelu ? at::gelu(gate) : at::gelu(gate, "tanh")) * up;
+  }
+
+  // h += y, elementwise: the same float additions as h + y, without a dispatcher round trip
+  static void add_into(at::Tensor& h, const at::Tensor& y) {
+    TORCH_CHECK(y.sizes() == h.sizes() && y.is_contiguous(), "residual shape mismatch");
+    float* hp = h.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t i = 0, n = h.numel(); i < n; ++i) hp[i] += yp[i];
   }
 
   int64_t hq_, hkv_, d_, inter_, act_;

@@ -57,4 +57,37 @@ inline v16f bytes(const int8_t* p) {
 #endif
 }
 
+inline float hsum(v16f v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(v);
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (relative error
+// ~2e-7, as good as expf for softmax); x below -87 gives ~0, above 88 e^88.
+inline v16f exp16(v16f x) {
+  const v16f lo = v16f{} - 87.f, hi = v16f{} + 88.f;
+  x = x < lo ? lo : x;  // lane-wise select
+  x = x > hi ? hi : x;  // e^88 ~ 1.7e38: past it the exponent bits would overflow
+  const v16f t = x * 1.44269504f;
+  v16f n = __builtin_convertvector(__builtin_convertvector(t + (t < 0 ? v16f{} - 0.5f : v16f{} + 0.5f),
+                                                           v16si), v16f);  // round to nearest
+  const v16f r = x - n * 0.693145752f - n * 1.42860677e-6f;  // ln2 in two parts
+  v16f p = v16f{} + 1.3981999e-3f;
+  p = p * r + 8.3334519e-3f;
+  p = p * r + 4.1665795e-2f;
+  p = p * r + 1.6666666e-1f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v16si bits = (__builtin_convertvector(n, v16si) + 127) << 23;
+  v16f scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 }  // namespace tokenmill

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.layers.attention import Attention, get_forward_context
 from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
@@ -56,7 +57,10 @@ class MLP(nn.Module):
             raise ValueError(f"Unsupported activation {cfg.hidden_act!r}; supported: {sorted(_ACTS)}.")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gu = self.gate_up_proj(x)
+        if self.act is F.silu and gu.dim() == 2 and kernels.usable_for(gu):
+            return self.down_proj(kernels.silu_mul(gu))
+        gate, up = gu.split([self.inter, self.inter], dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
