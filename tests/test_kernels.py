@@ -202,3 +202,23 @@ def test_silu_mul_equals_pytorch():
     got = kernels.silu_mul(gu)
     assert got.shape == (5, 100)
     assert torch.allclose(got, ref, rtol=2e-6, atol=1e-30)
+
+
+def test_argmax_equals_torch_with_ties_and_nans():
+    torch.manual_seed(0)
+    x = torch.randn(6, 1000)             # 62 full vectors and a tail
+    x[1, 17] = x[1, 900] = 50.0          # a tie: the first wins
+    x[2, 999] = 60.0                     # the maximum in the tail
+    x[3, 5], x[3, 700] = float("nan"), float("nan")  # NaN wins, the first one
+    x[4] = float("-inf")
+    x[5, 2] = float("inf")
+    assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(kernels.argmax(x[:, :999]), x[:, :999].argmax(dim=-1))  # strided rows
+
+
+def test_paged_decode_attention_takes_strided_rows():
+    q, kc, vc, tables, lens_t, mask = _paged(3, [5, 40, 17], 16, 6, 2, 64, torch.float16, seed=3)
+    wide = torch.randn(3, 9, 64)
+    wide[:, :6] = q                      # q as a view into a wider row, as the decode stack passes it
+    got = kernels.paged_decode_attention(wide[:, :6], kc, vc, tables, lens_t, 0.125)
+    assert torch.equal(got, kernels.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125))

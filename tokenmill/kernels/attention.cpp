@@ -48,7 +48,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv, len = lp[b];
       TORCH_CHECK(len >= 1 && len <= W * bs, "context length out of range");
-      const float* qh = qp + (b * Hq + h * G) * D;
+      const float* qh = qp + b * q.stride(0) + h * G * D;  // rows may be strided (a view into qkv)
       std::fill(acc, acc + G * D, 0.f);
       std::fill(mx, mx + G, neg_inf);
       std::fill(l, l + G, 0.f);
@@ -241,7 +241,8 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 }
 
 void check_heads(const at::Tensor& q, const at::Tensor& k_cache) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q must be float (T, Hq, D)");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be float (T, Hq, D), each row's heads contiguous");
   const int64_t Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2);
   TORCH_CHECK(k_cache.size(3) == D && D % kLanes == 0 && D <= kMaxHeadDim, "head_dim must be a multiple of 16, <= 256");
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kMaxGroup, "unsupported head grouping");
@@ -253,6 +254,7 @@ at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& block_table, int64_t start, double scale) {
   check_caches(k_cache, v_cache);
   check_heads(q, k_cache);
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong && block_table.is_contiguous(),
               "block_table must be int64 (W,)");
   TORCH_CHECK(start >= 0 && start + q.size(0) <= block_table.size(0) * k_cache.size(1),
@@ -273,7 +275,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               block_tables.is_contiguous() && context_lens.is_contiguous(), "tables and lengths must be int64");
   const int64_t B = q.size(0);
   TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B, "one block table and length per sequence");
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = at::empty(q.sizes(), q.options());
   if (k_cache.scalar_type() == at::kFloat)
     decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, static_cast<float>(scale), out);
   else

@@ -1,5 +1,5 @@
 // Row-wise float32 ops that PyTorch runs as several kernels each on CPU (RMSNorm: pow, mean, add,
-// rsqrt, mul, mul; rotary: chunk, four muls, add, sub, cat; SiLU-and-multiply), each one pass here. At batch 1 the
+// rsqrt, mul, mul; rotary: chunk, four muls, add, sub, cat; SiLU-and-multiply; argmax), each one pass here. At batch 1 the
 // per-op dispatch, not the arithmetic, is their cost.
 #include "ops.h"
 
@@ -78,16 +78,61 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// Index of each row's largest value, as torch.argmax: the first of equal maxima, the first NaN if
+// there is one. Two vector passes (max, then where it is) instead of PyTorch's scalar-ish CPU
+// reduction (~1 ms for 16 x 49,152 logits here: a noticeable part of a batched decode step).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be float (N, V) with contiguous rows");
+  const int64_t N = x.size(0), V = x.size(1), ld = x.stride(0);
+  at::Tensor out = at::empty({N}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * ld;
+      v16f vmax = v16f{} - std::numeric_limits<float>::infinity();
+      v16si nans{};
+      int64_t i = 0;
+      for (; i + kLanes <= V; i += kLanes) {
+        const v16f v = load(row + i);
+        vmax = v > vmax ? v : vmax;
+        nans |= v != v;
+      }
+      float m = vmax[0];
+      bool nan = false;
+      for (int t = 0; t < kLanes; ++t) {
+        m = std::max(m, vmax[t]);
+        nan |= nans[t] != 0;
+      }
+      for (; i < V; ++i) {
+        nan |= std::isnan(row[i]);
+        m = std::max(m, row[i]);
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (!std::isnan(row[at])) ++at;
+      } else {
+        while (row[at] != m) ++at;
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("rotary", &tokenmill::rotary);
   m.impl("silu_mul", &tokenmill::silu_mul);
+  m.impl("argmax_rows", &tokenmill::argmax_rows);
 }

@@ -123,7 +123,7 @@ class DecodeStack : public torch::CustomClassHolder {
       else
         store_rows(kp, vp, (hq_ + hkv_) * d_, qkv_n, slots.data_ptr<int64_t>(), B, row, num_slots,
                    L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>());
-      const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_).contiguous(), L.k_cache, L.v_cache,
+      const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_);
       add_into(h, L.proj[1](o.view({B, hq_ * d_})));
       const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
