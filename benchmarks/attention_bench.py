@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Microbenchmark of attention over the paged KV cache for one layer: a prompt chunk of NEW tokens
+after START cached ones (a prefix-cache hit, or a later chunk of a chunked prefill), as
+gather + SDPA with a mask (the reference path) and as tokenmill's paged context kernel; and decode
+rows (BATCH sequences of START tokens) through the paged decode kernel. SmolLM2's heads by default.
+
+    python benchmarks/attention_bench.py                          # 48 new tokens after 1,008 cached
+    python benchmarks/attention_bench.py --start 768 --new 256    # a chunked-prefill chunk
+"""
+import argparse
+import json
+import time
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.layers.attention import _sdpa_batched, gather_blocks
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--start", type=int, default=1008, help="cached tokens before the chunk")
+ap.add_argument("--new", type=int, default=48, help="tokens in the chunk")
+ap.add_argument("--batch", type=int, default=16, help="decode rows for the decode kernel")
+ap.add_argument("--heads", type=int, default=9)
+ap.add_argument("--kv-heads", type=int, default=3)
+ap.add_argument("--head-dim", type=int, default=64)
+ap.add_argument("--block-size", type=int, default=16)
+ap.add_argument("--threads", type=int, default=2)
+a = ap.parse_args()
+torch.set_num_threads(a.threads)
+if not kernels.available():
+    raise SystemExit("tokenmill's CPU kernels did not build")
+bs, d, scale = a.block_size, a.head_dim, a.head_dim ** -0.5
+width = -(-(a.start + a.new) // bs)
+num_blocks = max(width, a.batch * -(-a.start // bs)) + 8
+kc = torch.randn(num_blocks, bs, a.kv_heads, d).half()
+vc = torch.randn(num_blocks, bs, a.kv_heads, d).half()
+table = torch.randperm(num_blocks)[:width]
+q = torch.randn(a.new, a.heads, d)
+mask = torch.arange(width * bs)[None, :] <= torch.arange(a.start, a.start + a.new)[:, None]
+
+
+def gather_sdpa():
+    k, v = gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float()
+    return _sdpa_batched(q[None], k, v, scale, mask[None, None])[0]
+
+
+def context_kernel():
+    return kernels.paged_context_attention(q, kc, vc, table, a.start, scale)
+
+
+dw = -(-a.start // bs)
+tables = torch.randperm(num_blocks)[:a.batch * dw].view(a.batch, dw)
+lens = torch.full((a.batch,), a.start)
+qd = torch.randn(a.batch, a.heads, d)
+
+
+def decode_kernel():
+    return kernels.paged_decode_attention(qd, kc, vc, tables, lens, scale)
+
+
+def timed(fn, reps: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+assert (gather_sdpa() - context_kernel()).abs().max() < 1e-4
+chunk_flop = 4 * a.new * a.heads * d * (a.start + (a.new + 1) / 2)
+decode_flop = 4 * a.batch * a.heads * d * a.start
+row = {"start": a.start, "new": a.new, "batch": a.batch}
+for name, fn, flop in (("gather_sdpa", gather_sdpa, chunk_flop), ("context_kernel", context_kernel, chunk_flop),
+                       ("decode_kernel", decode_kernel, decode_flop)):
+    t = timed(fn)
+    row[f"{name}_us"] = round(t * 1e6, 1)
+    row[f"{name}_gflops"] = round(flop / t / 1e9, 1)
+print(json.dumps(row))
