@@ -30,3 +30,22 @@ wait_health() {  # url [seconds, default 150]
 }
 
 stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+bench_serve() {  # name url workload concurrency num_prompts out.jsonl: one `tokenmill bench serve` run, one JSON line
+  "$TM" bench serve --base-url "$2" --model-name smollm2 --workload "$3" --num-prompts "$5" --concurrency "$4" \
+     --output-json "$RESULTS/.last.json" > /dev/null
+  "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1]))["runs"][0]; print(json.dumps({"peer": sys.argv[2], **d}))' \
+     "$RESULTS/.last.json" "$1" >> "$6"
+}
+
+summarize_serve() {  # out.jsonl: medians per peer
+  "$PY" - "$1" <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1])]
+for peer in dict.fromkeys(r["peer"] for r in rows):
+    rs = [r for r in rows if r["peer"] == peer]
+    med = lambda k: statistics.median(r[k] for r in rs)
+    print(f"{peer:14s} out tok/s {med('output_tokens_per_s'):7.1f}  TTFT p50 {med('ttft_p50_s'):6.2f}s p99 "
+          f"{med('ttft_p99_s'):6.2f}s  ITL p99 {med('itl_p99_s'):.3f}s  short {max(r['short_outputs'] for r in rs)}")
+PY
+}

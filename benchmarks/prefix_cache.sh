@@ -8,12 +8,7 @@ build_llamacpp
 W=$RESULTS/prefix_workload.jsonl
 "$PY" "$HERE/prefix_workload.py" --wikitext "$SHARED/data/wikitext-2/valid.txt" --mt-bench "$SHARED/data/mt_bench/question.jsonl" -n "$N" --out "$W"
 out=$RESULTS/prefix_cache.jsonl; : > "$out"
-bench() {  # name url
-  "$TM" bench serve --base-url "$2" --model-name smollm2 --workload "$W" --num-prompts "$N" --concurrency "$C" \
-     --output-json "$RESULTS/.last.json" > /dev/null
-  "$PY" -c 'import json,sys; d=json.load(open(sys.argv[1]))["runs"][0]; print(json.dumps({"peer": sys.argv[2], **d}))' \
-     "$RESULTS/.last.json" "$1" >> "$out"
-}
+bench() { bench_serve "$1" "$2" "$W" "$C" "$N" "$out"; }  # name url
 for flag in --enable-prefix-caching --no-enable-prefix-caching; do
   "$TM" --log-level WARNING serve --model "$MODEL" --port 8020 --served-model-name smollm2 $flag &
   pid=$!; wait_health http://127.0.0.1:8020; bench "tokenmill $flag" http://127.0.0.1:8020; stop $pid
