@@ -85,6 +85,8 @@ def test_bad_engine_options(tiny_llama):
         LLM(tiny_llama, kv_cache_dtype="int8", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="activation_bits must be 8 or 16, got 4"):
         LLM(tiny_llama, activation_bits=4, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="threads must be a positive number of CPU threads, got 0"):
+        LLM(tiny_llama, threads=0, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(tiny_llama, warp_speed=9)
     with pytest.raises(ValueError, match="max_model_len 100000 exceeds"):
@@ -130,3 +132,14 @@ def test_cli_reports_errors_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "generate", "--prompt", "hi", "--temperature", "-1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "temperature must be >= 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_threads_option_sizes_the_kernel_pool(tiny_llama):
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(tiny_llama, threads=1, skip_tokenizer_init=True, kv_cache_memory="16MiB")
+        assert torch.get_num_threads() == 1
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        torch.set_num_threads(before)

@@ -22,6 +22,10 @@ class ModelConfig:
     max_model_len: int | None = field(default=None, metadata=_help(
         "longest prompt + output in tokens (default: the model's context length)"))
     device: str = field(default="auto", metadata=_help("auto | cpu | cuda | cuda:N"))
+    threads: int | None = field(default=None, metadata=_help(
+        "CPU threads for the model's kernels (default: OMP_NUM_THREADS if set, else one per core). The server's "
+        "event loop and the tokenizer run beside them: on a machine shared with other work, set this to the "
+        "cores the engine may have"))
     seed: int = field(default=0, metadata=_help(
         "global random seed: unseeded sampling is reproducible from one engine start to the next"))
     skip_tokenizer_init: bool = field(default=False, metadata=_help(
@@ -46,6 +50,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.activation_bits not in (8, 16):
             raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits}.")
+        if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
+            raise ValueError(f"threads must be a positive number of CPU threads, got {self.threads}.")
 
 
 @dataclass(frozen=True)

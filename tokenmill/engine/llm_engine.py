@@ -60,6 +60,8 @@ class LLMEngine:
         self.config = config
         self.model_path = mc.model or default_model_path()
         self.device = resolve_device(mc.device)
+        if mc.threads is not None:  # process-wide: ATen's pool, which the CPU kernels share
+            torch.set_num_threads(mc.threads)
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
