@@ -132,8 +132,6 @@ class DecodeStack : public torch::CustomClassHolder {
     return h;
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
  private:
   int64_t hidden() const { return layers_.back().in_norm.numel(); }
 
@@ -165,6 +163,5 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, double>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("add_projection", &tokenmill::DecodeStack::add_projection)
-      .def("forward", &tokenmill::DecodeStack::forward)
-      .def("num_layers", &tokenmill::DecodeStack::num_layers);
+      .def("forward", &tokenmill::DecodeStack::forward);
 }
