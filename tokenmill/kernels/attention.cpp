@@ -99,7 +99,6 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
-
 // A prompt chunk over its cached context: query i (position start + i) attends to cache positions
 // [0, start + i]; its own K/V are already stored. Work item = (KV head, tile of up to kQueryTile
 // query tokens); each kChunk-token chunk of context is widened (K also transposed) once per item,
@@ -233,13 +232,6 @@ void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
   });
 }
 
-void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  const auto kv = k_cache.scalar_type();
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == kv &&
-              (kv == at::kFloat || kv == at::kHalf) && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be float32 or float16 (num_blocks, block_size, Hkv, D)");
-}
-
 void check_heads(const at::Tensor& q, const at::Tensor& k_cache) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q must be float (T, Hq, D), each row's heads contiguous");
@@ -249,6 +241,13 @@ void check_heads(const at::Tensor& q, const at::Tensor& k_cache) {
 }
 
 }  // namespace
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  const auto kv = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == kv &&
+              (kv == at::kFloat || kv == at::kHalf) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be float32 or float16 (num_blocks, block_size, Hkv, D)");
+}
 
 at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_table, int64_t start, double scale) {

@@ -16,6 +16,8 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
                            int64_t N, int64_t bits);
 at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits);
 #endif
+// K/V caches the paged kernels read: contiguous float32/float16 (num_blocks, block_size, Hkv, D), same shape.
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache);
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -76,11 +76,8 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // Norm weights are the factors the norm multiplies by (Gemma's 1 + w already added).
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
-    TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == hkv_ && k_cache.size(3) == d_ &&
-                k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type() &&
-                (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
-                k_cache.is_contiguous() && v_cache.is_contiguous(),
-                "caches must be contiguous float32/float16 (num_blocks, block_size, Hkv, D)");
+    check_caches(k_cache, v_cache);
+    TORCH_CHECK(k_cache.size(2) == hkv_ && k_cache.size(3) == d_, "caches must have ", hkv_, " heads of ", d_);
     layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, {}});
   }
 
