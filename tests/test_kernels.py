@@ -130,6 +130,7 @@ def _paged(b, lens, bs, hq, hkv, d, dtype, seed):
     ([70, 5], 32, 8, 2, 128),            # blocks longer than the 16-token chunk
     ([33, 40, 8], 8, 4, 4, 64),          # no GQA, short blocks
     ([100], 16, 14, 2, 64),              # Qwen2.5-0.5B's grouping (7 query heads per KV head)
+    ([50, 3], 16, 16, 1, 32),            # 16 query heads per KV head: past the grouped kernel's 8
 ])
 def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dtype):
     q, kc, vc, tables, lens_t, mask = _paged(len(lens), lens, bs, hq, hkv, d, dtype, seed=len(lens) + bs)
