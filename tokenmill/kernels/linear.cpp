@@ -232,6 +232,14 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, bool 
   return r;
 }
 
+// Software prefetch distance for the weight stream. A thread walks its panels front to back, one
+// contiguous stream, but the hardware prefetcher stops at every 4 KiB page boundary; prefetching
+// 4 KiB ahead keeps the stream going across them. Batch-1 int4 products over DRAM-resident weights:
+// 50-56 us vs 62-87 us for the 3072 x 576 matrix (alternated runs, 2 threads).
+constexpr int64_t kPrefetch = 4096;
+
+inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -253,6 +261,7 @@ void int4_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, int64_t group,
       __m512i hacc[MT], lacc[MT];
       for (int r = 0; r < MT; ++r) hacc[r] = lacc[r] = _mm512_setzero_si512();
       for (int64_t o = 0; o < 4; ++o) {
+        prefetch_ahead(q + (b * 4 + o) * 64);
         const __m512i v = _mm512_loadu_si512(q + (b * 4 + o) * 64);
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         for (int r = 0; r < MT; ++r) {
@@ -283,6 +292,7 @@ void int8_dot_tile(const QuantizedX& xq, int64_t row0, int64_t K, const uint8_t*
     __m512i hacc[MT], lacc[MT];
     for (int r = 0; r < MT; ++r) hacc[r] = lacc[r] = _mm512_setzero_si512();
     for (int64_t o = 0; o < 8; ++o) {
+      prefetch_ahead(q + (b * 8 + o) * 64);
       const __m512i v = _mm512_loadu_si512(q + (b * 8 + o) * 64);
       for (int r = 0; r < MT; ++r) {
         const int64_t at = (row0 + r) * K + b * 32 + o * 4;

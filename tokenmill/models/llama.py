@@ -134,6 +134,11 @@ class CausalLM(nn.Module):
         if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
             self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)
 
+    def quantized_weights(self) -> list:
+        """Every int4/int8 weight, in the order a forward pass reads them (the tied head last)."""
+        weights = [m.qweight for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
+        return weights + ([self.tied_head_q] if self.tied_head_q is not None else [])
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

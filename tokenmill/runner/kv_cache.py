@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.models.arch import ArchConfig
+from tokenmill.utils import huge_page_zeros
 
 
 def resolve_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -39,5 +40,7 @@ def num_blocks_for(arch: ArchConfig, block_size: int, dtype: torch.dtype, device
 def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
     """(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): [0] keys, [1] values."""
-    return torch.zeros(2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim,
-                       dtype=dtype, device=device)
+    shape = (2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    if device.type == "cpu":
+        return huge_page_zeros(shape, dtype)  # scattered block reads: one TLB entry per 2 MiB
+    return torch.zeros(shape, dtype=dtype, device=device)

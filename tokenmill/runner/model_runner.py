@@ -13,6 +13,7 @@ import torch
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
 from tokenmill.models import decode_stack
+from tokenmill.utils import gather_in_huge_pages
 from tokenmill.models.llama import CausalLM
 from tokenmill.runner import kv_cache
 from tokenmill.sampling.sampler import Sampler, SamplingRow
@@ -37,6 +38,9 @@ class ModelRunner:
         self.cache = kv_cache.allocate(model.cfg, num_blocks, block_size, dtype, device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.cache[0, i], self.cache[1, i]
+        if device.type == "cpu":  # before the decode stack takes the panels
+            gather_in_huge_pages([(qw.panels, f) for qw in model.quantized_weights() if qw.panels is not None
+                                  for f in ("q", "s", "m") if hasattr(qw.panels, f)])
         model.decode_stack = decode_stack.build(model)
         self.sampler = Sampler()
         self.states: dict[str, _ReqState] = {}
@@ -149,3 +153,4 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev), sample_ids)
+
