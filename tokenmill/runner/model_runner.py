@@ -13,11 +13,11 @@ import torch
 from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
 from tokenmill.models import decode_stack
-from tokenmill.utils import gather_in_huge_pages
 from tokenmill.models.llama import CausalLM
 from tokenmill.runner import kv_cache
 from tokenmill.sampling.sampler import Sampler, SamplingRow
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.utils import gather_in_huge_pages
 
 
 @dataclass
@@ -153,4 +153,3 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev), sample_ids)
-
