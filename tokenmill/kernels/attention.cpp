@@ -117,11 +117,6 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(s8[0], s8[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 widen(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // decode_attention for AVX-512 and a group of G query heads per KV head (G a compile-time
 // constant so that the group's accumulators stay in registers). Per 16-token chunk each K and V
 // vector is widened once for all G heads; the G x 16 scores come out of one reduce16 per head;
@@ -176,7 +171,7 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
           __m512 d[G];
           for (int g = 0; g < G; ++g) d[g] = _mm512_setzero_ps();
           for (int64_t c = 0; c < C; ++c) {
-            const __m512 k = widen(kb + t * row + c * kLanes);
+            const __m512 k = __m512(load_kv(kb + t * row + c * kLanes));
             for (int g = 0; g < G; ++g) d[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + c * kLanes), k, d[g]);
           }
           for (int g = 0; g < G; ++g) part[g][t] = d[g];
@@ -201,7 +196,7 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
           __m512 a[G];
           for (int g = 0; g < G; ++g) a[g] = _mm512_load_ps(acc + g * D + c * kLanes);
           for (int64_t t = 0; t < n; ++t) {
-            const __m512 v = widen(vb + t * row + c * kLanes);
+            const __m512 v = __m512(load_kv(vb + t * row + c * kLanes));
             for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][t]), v, a[g]);
           }
           for (int g = 0; g < G; ++g) _mm512_store_ps(acc + g * D + c * kLanes, a[g]);
