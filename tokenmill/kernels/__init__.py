@@ -2,8 +2,9 @@
 weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs),
 paged attention (decode, and prompt chunks over a cached context) that reads K/V blocks in place
 (attention.cpp), all decoder layers of a decode step in one call (stack.cpp), and one-pass RMSNorm,
-rotary embedding, SiLU-and-multiply and row argmax (pointwise.cpp). Compiled for this CPU on first use (torch.utils.cpp_extension, cached on disk, about a
-minute once); where that fails (no compiler) the callers keep PyTorch's kernels and say so once.
+rotary embedding, SiLU-and-multiply and row argmax (pointwise.cpp). Compiled for this CPU on first
+use (torch.utils.cpp_extension, cached on disk, about a minute once); where that fails (no
+compiler) the callers keep PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layout only; it imports nothing from tokenmill.
 `TOKENMILL_KERNELS=0` turns them off (the PyTorch reference path), for comparisons.

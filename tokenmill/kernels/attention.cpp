@@ -145,18 +145,20 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       std::fill(acc, acc + G * D, 0.f);
       float mx[G], l[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-      auto rows_at = [&](int64_t pos, const T* base) {
+      auto offset_at = [&](int64_t pos) {  // of position pos's K (and V) row for head h in the caches
         const int64_t blk = tp[b * W + pos / bs];
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-        return base + (blk * bs + pos % bs) * row + h * D;
+        return (blk * bs + pos % bs) * row + h * D;
       };
-      for (int64_t pos = 0; pos < len; pos += std::min(bs, kLanes)) {  // 16-token chunks of blocks
+      int64_t at = offset_at(0), next_at = 0;
+      for (int64_t pos = 0; pos < len; pos += std::min(bs, kLanes), at = next_at) {  // 16-token chunks of blocks
         const int64_t n = std::min({bs - pos % bs, kLanes, len - pos}), next = pos + n;
-        const T *kb = rows_at(pos, kp), *vb = rows_at(pos, vp);
+        const T *kb = kp + at, *vb = vp + at;
         if (next < len) {
           const int64_t nn = std::min({bs - next % bs, kLanes, len - next});
-          const char *kn = reinterpret_cast<const char*>(rows_at(next, kp)),
-                     *vn = reinterpret_cast<const char*>(rows_at(next, vp));
+          next_at = offset_at(next);
+          const char* kn = reinterpret_cast<const char*>(kp + next_at);
+          const char* vn = reinterpret_cast<const char*>(vp + next_at);
           for (int64_t t = 0; t < nn; ++t)
             for (int64_t c = 0; c < lines; ++c) {
               _mm_prefetch(kn + (t * row * static_cast<int64_t>(sizeof(T))) + 64 * c, _MM_HINT_T0);
@@ -205,7 +207,8 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       for (int g = 0; g < G; ++g) {
         const __m512 inv = _mm512_set1_ps(1.f / l[g]);
         float* o = op + (b * Hq + h * G + g) * D;
-        for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c * kLanes), inv));
+        for (int64_t c = 0; c < C; ++c)
+          _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c * kLanes), inv));
       }
     }
   });
@@ -215,7 +218,8 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
 // generic one.
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
+                           at::Tensor& out) {
   switch (q.size(1) / k_cache.size(2)) {
 #define TOKENMILL_GROUP(g) \
   case g: decode_attention_group<T, g>(q, k_cache, v_cache, block_tables, context_lens, scale, out); return true;
