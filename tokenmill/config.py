@@ -39,13 +39,15 @@ class ModelConfig:
         "group size of int4 round-to-nearest quantization at load"))
     activation_bits: int = field(default=16, metadata=_help(
         "16 | 8: on CPUs with AVX512-VNNI the int4/int8 kernels round each layer's input to integers per "
-        "32 values. 16: float32 accuracy. 8 (llama.cpp's Q8 arithmetic): ~1.6x faster products, ~25 percent "
-        "more batch throughput, +0.13 percent perplexity on the default model, and near-tied greedy choices "
-        "may flip as they do in llama.cpp. The output head always uses 16. Ignored elsewhere (float32 products)"))
+        "32 values. 16: float32 accuracy (the dequantized float path's perplexity to 0.001 percent). 8 "
+        "(llama.cpp's Q8 arithmetic): products at batch ~1.6x faster, ~30 percent more batch throughput, "
+        "+0.23 percent perplexity on the default model, and near-tied greedy choices flip as they do in "
+        "llama.cpp (the default model then misnames the capital of France, as llama.cpp's server does). The "
+        "output head always uses 16. Ignored elsewhere (float32 products)"))
     keep_float_weights: bool = field(default=False, metadata=_help(
         "also keep float copies of quantized weights and use them for steps of more than 32 tokens "
-        "(prefill chunks, large batches), where the CPU float GEMM beats the int4/int8 kernels; costs the "
-        "float model's memory"))
+        "(prefill chunks, large batches); costs the float model's memory. Worth it only where the float "
+        "GEMM beats the int4/int8 kernels (benchmarks/kernel_bench.py); with AVX512-VNNI it does not"))
 
     def __post_init__(self) -> None:
         if self.activation_bits not in (8, 16):
