@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Shared 1,000-token system prompt, 64 distinct questions, 8 concurrent clients: TTFT with prefix
 # caching on vs off (tokenmill) vs llama.cpp's llama-server --parallel 8 (its per-slot prompt cache
-# on). One server alive at a time. Writes results/prefix_cache.jsonl: every answer 32 tokens long.
-# LENGTHS=shared: answer lengths as in the shared seeded workload (32-254 tokens), results in
-# prefix_cache_shared.jsonl.
+# on). One server alive at a time. Answer lengths as in the shared seeded workload (32-254 tokens):
+# results/prefix_cache.jsonl. LENGTHS=N: every answer N tokens (results/prefix_cache_lenN.jsonl) --
+# with equal lengths the 8 clients finish together and each wave of prompts queues behind itself.
 source "$(dirname "$0")/common.sh"
-C=${C:-8}; N=${N:-64}; LENGTHS=${LENGTHS:-32}
+C=${C:-8}; N=${N:-64}; LENGTHS=${LENGTHS:-shared}
 build_llamacpp
 if [ "$LENGTHS" = shared ]; then
-  W=$RESULTS/prefix_workload_shared.jsonl; out=$RESULTS/prefix_cache_shared.jsonl; lens=(--max-tokens-from "$WORKLOAD")
+  W=$RESULTS/prefix_workload.jsonl; out=$RESULTS/prefix_cache.jsonl; lens=(--max-tokens-from "$WORKLOAD")
 else
-  W=$RESULTS/prefix_workload.jsonl; out=$RESULTS/prefix_cache.jsonl; lens=(--max-tokens "$LENGTHS")
+  W=$RESULTS/prefix_workload_len$LENGTHS.jsonl; out=$RESULTS/prefix_cache_len$LENGTHS.jsonl; lens=(--max-tokens "$LENGTHS")
 fi
 "$PY" "$HERE/prefix_workload.py" --wikitext "$SHARED/data/wikitext-2/valid.txt" --mt-bench "$SHARED/data/mt_bench/question.jsonl" \
   -n "$N" "${lens[@]}" --out "$W"

@@ -146,7 +146,7 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
     (1008, 48, 16, 9, 3, 64),   # SmolLM2: a question after a cached 1,000-token prompt
     (0, 37, 16, 9, 3, 64),      # no earlier context: plain causal
     (250, 3, 8, 14, 2, 64),     # Qwen2.5-0.5B's grouping; short blocks; a tiny chunk
-    (31, 40, 32, 4, 4, 128),    # no GQA; blocks longer than the 32-token chunk; tiles of 16 + rest
+    (31, 40, 32, 4, 4, 128),    # no GQA; blocks longer than the 32-token chunk; query tiles of 32 + rest
     (5, 1, 16, 4, 2, 16),       # one query
 ])
 def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype):
