@@ -26,7 +26,7 @@
 //   i.e. exactly round(x) . w. One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer
 //   instructions per weight than the float layout. 16 bits: a relative error of ~1e-5 of each
 //   block's largest input, float32-level; 8 bits (llama.cpp's Q8 arithmetic): ~1.6x faster at
-//   batch, +0.13 % perplexity on the default model.
+//   batch, +0.23 % perplexity on the default model (and greedy answers it is unsure of can change).
 #include <functional>
 #include <string>
 #include <vector>
@@ -185,7 +185,7 @@ constexpr bool kDot = true;
 // the integers, xsum (M, K/group) sums of the rounded x per weight group (the int4 minimum term):
 // the product equals round(x) . w exactly, up to float32 summation.
 // 16 bits keep the product within float32's accuracy; 8 bits halve the VPDPBUSDs per weight byte
-// for +0.13 % perplexity on the default model (benchmarks/RESULTS.md).
+// for +0.23 % perplexity on the default model (benchmarks/RESULTS.md).
 struct QuantizedX {
   std::vector<int8_t> h, l;
   std::vector<float> d, xsum;
