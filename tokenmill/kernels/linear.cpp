@@ -104,14 +104,17 @@ void dispatch_rows(int rows, Args... args) {
 TILE_ADAPTER(Int4Tile, int4_tile<MT>)
 TILE_ADAPTER(Int8Tile, int8_tile<MT>)
 
-// Panels split across threads; each walks all rows of x `tile` rows at a time, so a panel's
-// weights stay in L1 while x streams from L2. call(p, r, rows, nvalid): panel p, rows [r, r+rows).
+// Groups of `panels` adjacent panels split across threads; each walks all rows of x `tile` rows at a
+// time, so the group's weights stay in L1 while x streams from L2. call(p, np, r, rows, nvalid_last):
+// panels [p, p+np) (only the last may be partial), rows [r, r+rows).
 template <typename Call>
-void for_each_tile(int64_t P, int64_t M, int64_t N, int64_t tile, const Call& call) {
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - p * kLanes));
-      for (int64_t r = 0; r < M; r += tile) call(p, r, static_cast<int>(std::min<int64_t>(tile, M - r)), nvalid);
+void for_each_tile(int64_t P, int64_t M, int64_t N, int64_t tile, int64_t panels, const Call& call) {
+  at::parallel_for(0, (P + panels - 1) / panels, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p = t * panels;
+      const int np = static_cast<int>(std::min<int64_t>(panels, P - p));
+      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - (p + np - 1) * kLanes));
+      for (int64_t r = 0; r < M; r += tile) call(p, np, r, static_cast<int>(std::min<int64_t>(tile, M - r)), nvalid);
     }
   });
 }
@@ -147,7 +150,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(P, M, N, kRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+  for_each_tile(P, M, N, kRowTile, 1, [&](int64_t p, int, int64_t r, int rows, int nvalid) {
     dispatch_rows<Int4Tile>(rows, xp + r * K, K, qp + p * K * (kLanes / 2), sp + p * G * kLanes,
                             mp + p * G * kLanes, K, group, yp + r * N + p * kLanes, N, nvalid);
   });
@@ -169,7 +172,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(P, M, N, kRowTile, [&](int64_t p, int64_t r, int rows, int nvalid) {
+  for_each_tile(P, M, N, kRowTile, 1, [&](int64_t p, int, int64_t r, int rows, int nvalid) {
     dispatch_rows<Int8Tile>(rows, xp + r * K, K, qp + p * K * kLanes, sp + p * kLanes, K, yp + r * N + p * kLanes,
                             N, nvalid);
   });
@@ -388,20 +391,6 @@ void dispatch_dot(int rows, int np, Args... args) {
   else dispatch_dot_rows<Tile, 1>(rows, args...);
 }
 
-// Pairs of panels split across threads; each walks all rows of x `tile` rows at a time.
-// call(p, np, r, rows, nvalid_last): panels [p, p+np), rows [r, r+rows).
-template <typename Call>
-void for_each_dot_tile(int64_t P, int64_t M, int64_t N, int64_t tile, const Call& call) {
-  at::parallel_for(0, (P + kDotPanels - 1) / kDotPanels, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t * kDotPanels;
-      const int np = static_cast<int>(std::min<int64_t>(kDotPanels, P - p));
-      const int nvalid = static_cast<int>(std::min<int64_t>(kLanes, N - (p + np - 1) * kLanes));
-      for (int64_t r = 0; r < M; r += tile) call(p, np, r, static_cast<int>(std::min<int64_t>(tile, M - r)), nvalid);
-    }
-  });
-}
-
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
 }  // namespace
@@ -422,7 +411,7 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_dot_tile(P, M, N, bits == 16 ? kDot16Rows : kDot8Rows, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
+  for_each_tile(P, M, N, bits == 16 ? kDot16Rows : kDot8Rows, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const uint8_t* qt = qp + p * K * 8;
     const float *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
@@ -449,7 +438,7 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_dot_tile(P, M, N, bits == 16 ? kDot16Rows : kDot8Rows, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
+  for_each_tile(P, M, N, bits == 16 ? kDot16Rows : kDot8Rows, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, 0);
     const uint8_t* qt = qp + p * K * kLanes;
     float* yt = yp + r * N + p * kLanes;
