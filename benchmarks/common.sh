@@ -13,15 +13,35 @@ MODEL=${MODEL:-$($PY -c 'from tokenmill.utils import default_model_path; print(d
 LLAMA_VERSION=0.3.36
 mkdir -p "$PEERS" "$RESULTS"
 
+# ISA=native (default) builds llama.cpp for this CPU; ISA=avx2 | avx512 | avx512vnni builds it for that
+# instruction set only (GGML_NATIVE=OFF) and makes tokenmill use the same variant (TOKENMILL_CPU_ISA), so
+# an AVX2 comparison is like for like on any host. Each ISA has its own build folder.
+ISA=${ISA:-native}
+case "$ISA" in
+  native) GGML_ISA=(-DGGML_NATIVE=ON) ;;
+  avx2) GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                  -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX_VNNI=OFF) ;;
+  avxvnni) GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX_VNNI=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF) ;;
+  avx512) GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                    -DGGML_AVX512=ON -DGGML_AVX512_VNNI=OFF) ;;
+  avx512vnni) GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                        -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON) ;;
+  *) echo "ISA must be native, avx2, avxvnni, avx512 or avx512vnni; got $ISA" >&2; exit 2 ;;
+esac
+[ "$ISA" = native ] || export TOKENMILL_CPU_ISA=$ISA
+LLAMA_BUILD=$PEERS/llama.cpp-build$([ "$ISA" = native ] || echo "-$ISA")
+
 # llama.cpp's server and llama-bench, from the llama.cpp sources vendored in the llama-cpp-python sdist
 build_llamacpp() {
-  [ -x "$PEERS/llama.cpp-build/bin/llama-server" ] && [ -x "$PEERS/llama.cpp-build/bin/llama-bench" ] && return
-  "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$PEERS/dl"
+  [ -x "$LLAMA_BUILD/bin/llama-server" ] && [ -x "$LLAMA_BUILD/bin/llama-bench" ] && return
+  [ -f "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" ] ||
+    "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$PEERS/dl"
   mkdir -p "$PEERS/src" && tar xzf "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" -C "$PEERS/src"
-  cmake -S "$PEERS/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" -B "$PEERS/llama.cpp-build" -G Ninja \
-    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  cmake -S "$PEERS/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" -B "$LLAMA_BUILD" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release "${GGML_ISA[@]}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF
-  cmake --build "$PEERS/llama.cpp-build" -j 2 --target llama-server llama-bench
+  cmake --build "$LLAMA_BUILD" -j 2 --target llama-server llama-bench
 }
 
 wait_health() {  # url [seconds, default 150]

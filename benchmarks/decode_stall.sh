@@ -12,7 +12,7 @@ for budget in default 4096; do
   "$TM" --log-level WARNING serve --model "$MODEL" --port 8020 --served-model-name smollm2 "${extra[@]}" &
   pid=$!; wait_health http://127.0.0.1:8020; run http://127.0.0.1:8020 "tokenmill budget=$budget"; stop $pid
 done
-"$PEERS/llama.cpp-build/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c 18432 -np 9 \
+"$LLAMA_BUILD/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c 18432 -np 9 \
    --no-webui --host 127.0.0.1 --port 8081 > /dev/null 2>&1 &
 pid=$!; wait_health http://127.0.0.1:8081; run http://127.0.0.1:8081 "llama-server -np 9"; stop $pid
 cat "$out"

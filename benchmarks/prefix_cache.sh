@@ -20,7 +20,7 @@ for flag in --enable-prefix-caching --no-enable-prefix-caching; do
   "$TM" --log-level WARNING serve --model "$MODEL" --port 8020 --served-model-name smollm2 $flag &
   pid=$!; wait_health http://127.0.0.1:8020; bench "tokenmill $flag" http://127.0.0.1:8020; stop $pid
 done
-"$PEERS/llama.cpp-build/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c $((C * 2048)) -np "$C" \
+"$LLAMA_BUILD/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c $((C * 2048)) -np "$C" \
    --no-webui --host 127.0.0.1 --port 8081 > /dev/null 2>&1 &
 pid=$!; wait_health http://127.0.0.1:8081; bench "llama-server -np $C" http://127.0.0.1:8081; stop $pid
 "$PY" - "$out" <<'PY'

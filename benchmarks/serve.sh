@@ -11,7 +11,7 @@ bench() { bench_serve "$1" "$2" "$WORKLOAD" "$C" "$N" "$out"; }  # name url
 for r in $(seq 1 "$REPS"); do
   "$TM" --log-level WARNING serve --model "$MODEL" --port 8020 --served-model-name smollm2 --max-num-seqs "$C" $TM_ARGS &
   pid=$!; wait_health http://127.0.0.1:8020; bench "tokenmill${TM_ARGS:+ $TM_ARGS}" http://127.0.0.1:8020; stop $pid
-  "$PEERS/llama.cpp-build/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c $((C * 1024)) -np "$C" \
+  "$LLAMA_BUILD/bin/llama-server" -m "$MODEL" --alias smollm2 -t 2 -tb 2 -c $((C * 1024)) -np "$C" \
      --no-cache-prompt -cram 0 --no-webui --host 127.0.0.1 --port 8081 > /dev/null 2>&1 &
   pid=$!; wait_health http://127.0.0.1:8081; bench llama-server http://127.0.0.1:8081; stop $pid
 done

@@ -130,8 +130,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = Metrics(names[0])
     client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len)
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys), metrics)
+    from tokenmill import kernels
+
+    cpu = f", CPU kernels {kernels.isa() or 'PyTorch'}" if engine.device.type == "cpu" else ""
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
-          f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}"
+          f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
@@ -186,8 +189,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         items = workload.load(args.workload, args.num_prompts, args.workload_seed, args.input_len, args.output_len,
                               engine.arch.vocab_size, args.mt_bench)
         result = offline.throughput(engine, items)
+    from tokenmill import kernels
+
     result["model"] = engine.model_path
     result["threads"] = __import__("torch").get_num_threads()
+    result["cpu_kernels"] = kernels.isa() or "pytorch"  # the ISA variant that ran, or PyTorch's kernels
     _emit(result, args.output_json)
     return 0
 

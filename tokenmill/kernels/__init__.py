@@ -1,10 +1,13 @@
 """tokenmill's own CPU kernels: int4/int8 weight-only linear layers that reuse each unpacked
-weight across the rows of a batch (linear.cpp; with int8 dot products on AVX512-VNNI CPUs),
-paged attention (decode, and prompt chunks over a cached context) that reads K/V blocks in place
-(attention.cpp), all decoder layers of a decode step in one call (stack.cpp), and one-pass RMSNorm,
-rotary embedding, SiLU-and-multiply and row argmax (pointwise.cpp). Compiled for this CPU on first
-use (torch.utils.cpp_extension, cached on disk, about a minute once); where that fails (no
-compiler) the callers keep PyTorch's kernels and say so once.
+weight across the rows of a batch (linear.cpp; integer dot products on AVX2, AVX-VNNI and
+AVX512-VNNI), paged attention (decode, and prompt chunks over a cached context) that reads K/V
+blocks in place (attention.cpp), all decoder layers of a decode step in one call (stack.cpp), and
+one-pass RMSNorm, rotary embedding, SiLU-and-multiply and row argmax (pointwise.cpp).
+
+Compiled on first use for one instruction-set variant (build.py: avx2, avxvnni, avx512,
+avx512vnni; the best this CPU runs, or TOKENMILL_CPU_ISA), cached on disk under a key that
+includes the variant. Where no variant runs (no compiler, not x86-64, no AVX2) the callers keep
+PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layout only; it imports nothing from tokenmill.
 `TOKENMILL_KERNELS=0` turns them off (the PyTorch reference path), for comparisons.
@@ -13,20 +16,20 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
-import sys
+import platform
 import threading
 from dataclasses import dataclass
 
 import torch
 
+from . import build
+
 logger = logging.getLogger(__name__)
 
-LANES = 16  # output rows per panel: one AVX-512 register of float32
+LANES = 16  # output rows per panel: one AVX-512 register (two AVX2 ones) of float32
 ACT_BITS = (8, 16)  # activation integer widths of the dot layout
-_SOURCES = [str(pathlib.Path(__file__).with_name(f)) for f in ("linear.cpp", "attention.cpp", "pointwise.cpp", "stack.cpp")]
 _lock = threading.Lock()
-_state: dict[str, bool] = {}  # "loaded": result of the one attempt to build/load
+_state: dict[str, object] = {}  # "loaded": result of the one attempt to build/load; "isa", "dot"
 
 
 def enabled() -> bool:
@@ -34,39 +37,51 @@ def enabled() -> bool:
 
 
 def available() -> bool:
-    """True once the extension is built and loaded; builds it on the first call."""
+    """True once the extension is built and loaded; builds it on the first call. Raises
+    build.UnsupportedISA when TOKENMILL_CPU_ISA asks for a variant this CPU cannot run."""
     if not enabled():
         return False
     if "loaded" not in _state:
         with _lock:
             if "loaded" not in _state:
-                _state["loaded"] = _build()
-    return _state["loaded"]
+                _state["loaded"] = _load()
+    return bool(_state["loaded"])
 
 
-def _build() -> bool:
-    from torch.utils import cpp_extension
-    # the `ninja` wheel puts its binary beside the interpreter, which need not be on PATH
-    bindir = os.path.dirname(sys.executable)
-    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+def _load() -> bool:
+    isa = build.requested()  # raises on a forced variant this CPU cannot execute
+    if isa is None:
+        why = "they need x86-64 with AVX2" if not build.is_x86() else "this CPU has no AVX2"
+        logger.warning("tokenmill CPU kernels unavailable (%s; %s); using PyTorch's kernels, which are slower.",
+                       why, platform.machine())
+        return False
     try:
-        cpp_extension.load(name="tokenmill_cpu", sources=_SOURCES, is_python_module=False,
-                           extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
-                           extra_ldflags=["-fopenmp"], verbose=False)
+        path = build.load(isa)
     except Exception as e:  # no compiler, no ninja, unsupported platform: PyTorch's kernels serve
         lines = [ln for ln in str(e).splitlines() if "error" in ln.lower()] or str(e).splitlines()[-1:]
         logger.warning("tokenmill CPU kernels unavailable (%s: %s); using PyTorch's kernels, which are "
                        "slower.", type(e).__name__, " | ".join(lines[:3]))
         return False
+    built = torch.ops.tokenmill.isa()
+    if built != isa:  # a library of another variant was already loaded into this process
+        raise RuntimeError(f"tokenmill kernels: asked for {isa} but {built} is loaded ({path}).")
+    _state["isa"] = isa
     _state["dot"] = torch.ops.tokenmill.layout() == "dot"
+    logger.info("tokenmill CPU kernels: %s variant (%s layout)", isa, torch.ops.tokenmill.layout())
     return True
 
 
+def isa() -> str | None:
+    """The loaded kernel variant (avx2, avxvnni, avx512, avx512vnni), or None where they are not
+    loaded (not used yet, e.g. on a GPU, or unavailable: PyTorch's kernels serve)."""
+    return str(_state["isa"]) if _state.get("loaded") else None
+
+
 def dot_layout() -> bool:
-    """True where the kernels were built with AVX512-VNNI: weights then use the int8-dot layout
-    and activations are rounded to 16-bit integers per 32 inputs inside the product."""
-    return available() and _state.get("dot", False)
+    """True where the kernels multiply in integers (every variant: VPDPBUSD on AVX512-VNNI and
+    AVX-VNNI, VPMADDUBSW/VPMADDWD on AVX2): weights then use the dot layout and activations are
+    rounded to 16- or 8-bit integers per 32 inputs inside the product."""
+    return available() and bool(_state.get("dot", False))
 
 
 # --------------------------------------------------------------------------- weight layouts

@@ -11,6 +11,9 @@ inline v16f load_kv(const float* p) { return load(p); }
 inline v16f load_kv(const at::Half* p) {
 #if defined(__AVX512F__)
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__AVX2__)
+  return join(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))));
 #else
   v16f v;
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
@@ -78,14 +81,14 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           if (nm > mx[g]) {
             const float alpha = std::exp(mx[g] - nm);  // 0 on the first block
             l[g] *= alpha;
-            for (int64_t d = 0; d < D; d += kLanes) store(ag + d, load(ag + d) * alpha, kLanes);
+            for (int64_t d = 0; d < D; d += kLanes) store(ag + d, load(ag + d) * splat(alpha), kLanes);
             mx[g] = nm;
           }
           const v16f p = exp16(sg - nm);  // lanes past n: e^-inf = 0
           l[g] += hsum(p);
           for (int64_t d = 0; d < D; d += kLanes) {
             v16f a = load(ag + d);
-            for (int64_t t = 0; t < n; ++t) a += p[t] * load_kv(vb + t * row + d);
+            for (int64_t t = 0; t < n; ++t) a += splat(p[t]) * load_kv(vb + t * row + d);
             store(ag + d, a, kLanes);
           }
         }
@@ -214,7 +217,116 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 }
 
-// The grouped AVX-512 kernel for groups of up to 8 query heads per KV head; false: use the
+#elif defined(__AVX2__)
+inline __m256 load_kv8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_kv8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// 8 vectors -> one: lane t = the sum of v[t]'s lanes (a horizontal-add tree: 7 instructions)
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// decode_attention for AVX2 and a group of G query heads per KV head, as the AVX-512 kernel above
+// but in 8-token chunks of 8-lane vectors: each K/V vector widened once for the group, the G x 8
+// scores from one reduce8 per head, the next chunk's rows prefetched.
+template <typename T, int G>
+void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
+                            at::Tensor& out) {
+  constexpr int64_t kTok = 8;
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), C = D / 8;
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
+  const int64_t row = Hkv * D, lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const float* qp = q.data_ptr<float>();
+  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+  const int64_t *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const __m256 lane = _mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) float acc[G * kMaxHeadDim];
+    alignas(32) float p[G][kTok];
+    __m256 part[G][kTok];
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv, len = lp[b];
+      TORCH_CHECK(len >= 1 && len <= W * bs, "context length out of range");
+      const float* qh = qp + b * q.stride(0) + h * G * D;  // rows may be strided (a view into qkv)
+      std::fill(acc, acc + G * D, 0.f);
+      float mx[G], l[G];
+      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
+      auto offset_at = [&](int64_t pos) {  // of position pos's K (and V) row for head h in the caches
+        const int64_t blk = tp[b * W + pos / bs];
+        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
+        return (blk * bs + pos % bs) * row + h * D;
+      };
+      int64_t at = offset_at(0), next_at = 0;
+      for (int64_t pos = 0; pos < len; pos += std::min(bs - pos % bs, kTok), at = next_at) {
+        const int64_t n = std::min({bs - pos % bs, kTok, len - pos}), next = pos + n;
+        const T *kb = kp + at, *vb = vp + at;
+        if (next < len) {
+          const int64_t nn = std::min({bs - next % bs, kTok, len - next});
+          next_at = offset_at(next);
+          const char* kn = reinterpret_cast<const char*>(kp + next_at);
+          const char* vn = reinterpret_cast<const char*>(vp + next_at);
+          for (int64_t t = 0; t < nn; ++t)
+            for (int64_t c = 0; c < lines; ++c) {
+              _mm_prefetch(kn + (t * row * static_cast<int64_t>(sizeof(T))) + 64 * c, _MM_HINT_T0);
+              _mm_prefetch(vn + (t * row * static_cast<int64_t>(sizeof(T))) + 64 * c, _MM_HINT_T0);
+            }
+        }
+        for (int64_t t = 0; t < kTok; ++t) {
+          if (t >= n) {
+            for (int g = 0; g < G; ++g) part[g][t] = _mm256_setzero_ps();
+            continue;
+          }
+          __m256 d[G];
+          for (int g = 0; g < G; ++g) d[g] = _mm256_setzero_ps();
+          for (int64_t c = 0; c < C; ++c) {
+            const __m256 k = load_kv8(kb + t * row + c * 8);
+            for (int g = 0; g < G; ++g) d[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + c * 8), k, d[g]);
+          }
+          for (int g = 0; g < G; ++g) part[g][t] = d[g];
+        }
+        const __m256 vis = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
+        for (int g = 0; g < G; ++g) {
+          const __m256 sg = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(reduce8(part[g]), _mm256_set1_ps(scale)), vis);
+          const float nm = std::max(mx[g], hmax8(sg));
+          if (nm > mx[g]) {
+            const float alpha = std::exp(mx[g] - nm);  // 0 on the first chunk
+            l[g] *= alpha;
+            const __m256 a = _mm256_set1_ps(alpha);
+            for (int64_t c = 0; c < C; ++c)
+              _mm256_store_ps(acc + g * D + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), a));
+            mx[g] = nm;
+          }
+          const v16f x = join(_mm256_sub_ps(sg, _mm256_set1_ps(nm)), neg_inf);
+          const __m256 e = _mm256_and_ps(low8(exp16(x)), vis);  // e^-inf = 0 past n as well
+          l[g] += hsum8(e);
+          _mm256_store_ps(p[g], e);
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          __m256 a[G];
+          for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc + g * D + c * 8);
+          for (int64_t t = 0; t < n; ++t) {
+            const __m256 v = load_kv8(vb + t * row + c * 8);
+            for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g][t]), v, a[g]);
+          }
+          for (int g = 0; g < G; ++g) _mm256_store_ps(acc + g * D + c * 8, a[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m256 inv = _mm256_set1_ps(1.f / l[g]);
+        float* o = op + (b * Hq + h * G + g) * D;
+        for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(o + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv));
+      }
+    }
+  });
+}
+#endif
+
+#if defined(__AVX2__)
+// The grouped kernel (AVX-512 or AVX2) for groups of up to 8 query heads per KV head; false: use the
 // generic one.
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -248,11 +360,17 @@ bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tenso
 // GFLOP/s here (48 tokens after 1,000 cached ones), the kernel ~145-157 on 2 threads.
 //   q (T, Hq, D) float32; block_table (W,) int64 covering start + T positions -> out (T, Hq, D)
 constexpr int64_t kQueryTile = 32, kChunk = 2 * kLanes;
-constexpr int kRowBlock = 12;
+#if defined(__AVX512F__)
+constexpr int kRowBlock = 12, kPvVectors = 24;  // 32 zmm: 12 rows x 2 score vectors; 24 P.V accumulators
+#else
+constexpr int kRowBlock = 3, kPvVectors = 4;    // 16 ymm: 3 rows x 4 score vectors + 4 keys (pv_avx2)
+#endif
 
 inline float hmax(v16f v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(v);
+#elif defined(__AVX2__)
+  return hmax8(_mm256_max_ps(low8(v), high8(v)));
 #else
   float m = v[0];
   for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
@@ -267,12 +385,12 @@ template <int RP, int ND>
 void pv_rows(const float (*p)[kChunk], const float* alpha, const float* vb, float* const* acc) {
   v16f a[RP][ND];
   for (int r = 0; r < RP; ++r)
-    for (int j = 0; j < ND; ++j) a[r][j] = load(acc[r] + j * kLanes) * alpha[r];
+    for (int j = 0; j < ND; ++j) a[r][j] = load(acc[r] + j * kLanes) * splat(alpha[r]);
   for (int64_t t = 0; t < kChunk; ++t) {
     v16f v[ND];
     for (int j = 0; j < ND; ++j) v[j] = load(vb + t * ND * kLanes + j * kLanes);
     for (int r = 0; r < RP; ++r) {
-      const v16f pr = v16f{} + p[r][t];
+      const v16f pr = splat(p[r][t]);
       for (int j = 0; j < ND; ++j) a[r][j] += pr * v[j];
     }
   }
@@ -285,8 +403,8 @@ void pv_rows_any(int R, const float (*p)[kChunk], const float* alpha, const floa
                  float* const* acc) {
   for (int64_t d = 0; d < D; d += kLanes)
     for (int r = 0; r < R; ++r) {
-      v16f a = load(acc[r] + d) * alpha[r];
-      for (int64_t t = 0; t < kChunk; ++t) a += p[r][t] * load(vb + t * D + d);
+      v16f a = load(acc[r] + d) * splat(alpha[r]);
+      for (int64_t t = 0; t < kChunk; ++t) a += splat(p[r][t]) * load(vb + t * D + d);
       store(acc[r] + d, a, kLanes);
     }
 }
@@ -294,7 +412,7 @@ void pv_rows_any(int R, const float (*p)[kChunk], const float* alpha, const floa
 // Register tiles for head sizes 64 and 128: rows x vectors of 6 x 4 and 3 x 8 (24 accumulators).
 template <int ND>
 void pv_tiles(int R, const float (*p)[kChunk], const float* alpha, const float* vb, float* const* acc) {
-  constexpr int RP = 24 / ND;
+  constexpr int RP = kPvVectors / ND > 0 ? kPvVectors / ND : 1;
   int r = 0;
   for (; r + RP <= R; r += RP) pv_rows<RP, ND>(p + r, alpha + r, vb, acc + r);
   for (; r < R; ++r) pv_rows<1, ND>(p + r, alpha + r, vb, acc + r);
@@ -304,6 +422,80 @@ void pv_tiles(int R, const float (*p)[kChunk], const float* alpha, const float* 
 // of row r at qt[d * ldq + r]: one pointer serves every row's broadcast); kt: keys transposed
 // (D x kChunk), vb: values (kChunk x D); valid[r]: the row's visible tokens of the chunk;
 // acc/mx/l: the rows' running output, max and (per lane) sum.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: the same two steps on arrays of ymm registers (GCC keeps arrays of v16f pairs on the
+// stack): scores R rows x 4 vectors, P.V on tiles of 3 rows x 4 vectors (32 outputs).
+template <int RP, int NC>
+void pv_block(const float (*p)[kChunk], const float* alpha, const float* vb, int64_t D, float* const* acc, int64_t c0) {
+  __m256 a[RP][NC];
+  for (int r = 0; r < RP; ++r)
+    for (int j = 0; j < NC; ++j) a[r][j] = _mm256_mul_ps(_mm256_loadu_ps(acc[r] + c0 + 8 * j), _mm256_set1_ps(alpha[r]));
+  for (int64_t t = 0; t < kChunk; ++t) {
+    __m256 pr[RP];
+    for (int r = 0; r < RP; ++r) pr[r] = _mm256_set1_ps(p[r][t]);
+    for (int j = 0; j < NC; ++j) {
+      const __m256 v = _mm256_loadu_ps(vb + t * D + c0 + 8 * j);
+      for (int r = 0; r < RP; ++r) a[r][j] = _mm256_fmadd_ps(pr[r], v, a[r][j]);
+    }
+  }
+  for (int r = 0; r < RP; ++r)
+    for (int j = 0; j < NC; ++j) _mm256_storeu_ps(acc[r] + c0 + 8 * j, a[r][j]);
+}
+
+void pv_avx2(int R, const float (*p)[kChunk], const float* alpha, const float* vb, int64_t D, float* const* acc) {
+  for (int64_t c0 = 0; c0 < D; c0 += 32) {
+    const bool full = D - c0 >= 32;  // else the last 16 of a head size that is an odd multiple of 16
+    int r = 0;
+    for (; r + 3 <= R; r += 3)
+      full ? pv_block<3, 4>(p + r, alpha + r, vb, D, acc + r, c0) : pv_block<3, 2>(p + r, alpha + r, vb, D, acc + r, c0);
+    for (; r < R; ++r)
+      full ? pv_block<1, 4>(p + r, alpha + r, vb, D, acc + r, c0) : pv_block<1, 2>(p + r, alpha + r, vb, D, acc + r, c0);
+  }
+}
+
+template <int R>
+void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float* kt, const float* vb, int64_t D,
+                float* const* acc, float* mx, v16f* l) {
+  __m256 s[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) s[r][i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 k[4];
+    for (int i = 0; i < 4; ++i) k[i] = _mm256_load_ps(kt + d * kChunk + 8 * i);
+    for (int r = 0; r < R; ++r) {
+      const __m256 qd = _mm256_set1_ps(qt[d * ldq + r]);
+      for (int i = 0; i < 4; ++i) s[r][i] = _mm256_fmadd_ps(qd, k[i], s[r][i]);
+    }
+  }
+  const __m256 lane = _mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  alignas(64) float p[R][kChunk];
+  float alpha[R];
+  for (int r = 0; r < R; ++r) {
+    __m256 vis[4], m = neg_inf;
+    for (int i = 0; i < 4; ++i) {
+      vis[i] = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f * i)), _mm256_set1_ps(static_cast<float>(valid[r])), _CMP_LT_OQ);
+      s[r][i] = _mm256_blendv_ps(neg_inf, s[r][i], vis[i]);
+      m = _mm256_max_ps(m, s[r][i]);
+    }
+    const float bmax = hmax8(m);
+    alpha[r] = 1.f;
+    if (bmax > mx[r]) {
+      alpha[r] = std::exp(mx[r] - bmax);  // 0 on the first chunk
+      l[r] *= splat(alpha[r]);
+      mx[r] = bmax;
+    }
+    const __m256 mr = _mm256_set1_ps(mx[r]);
+    for (int i = 0; i < 4; i += 2) {
+      const v16f e = exp16(join(_mm256_sub_ps(s[r][i], mr), _mm256_sub_ps(s[r][i + 1], mr)));
+      const __m256 e0 = _mm256_and_ps(low8(e), vis[i]), e1 = _mm256_and_ps(high8(e), vis[i + 1]);
+      l[r] += join(e0, e1);
+      _mm256_store_ps(p[r] + 8 * i, e0);
+      _mm256_store_ps(p[r] + 8 * i + 8, e1);
+    }
+  }
+  pv_avx2(R, p, alpha, vb, D, acc);
+}
+#else
 template <int R>
 void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float* kt, const float* vb, int64_t D,
                 float* const* acc, float* mx, v16f* l) {
@@ -312,7 +504,7 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
   for (int64_t d = 0; d < D; ++d) {
     const v16f k0 = load(kt + d * kChunk), k1 = load(kt + d * kChunk + kLanes);
     for (int r = 0; r < R; ++r) {
-      const float qd = qt[d * ldq + r];
+      const v16f qd = splat(qt[d * ldq + r]);
       s[r][0] += qd * k0;
       s[r][1] += qd * k1;
     }
@@ -323,7 +515,7 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
   alignas(64) float p[R][kChunk];
   float alpha[R];
   for (int r = 0; r < R; ++r) {
-    const v16f vis0 = v16f{} + static_cast<float>(valid[r]), vis1 = vis0 - static_cast<float>(kLanes);
+    const v16f vis0 = splat(static_cast<float>(valid[r])), vis1 = vis0 - splat(static_cast<float>(kLanes));
     const v16f sc0 = lane < vis0 ? s[r][0] : neg_inf, sc1 = lane < vis1 ? s[r][1] : neg_inf;
     const float bmax = hmax(sc0 > sc1 ? sc0 : sc1);
     alpha[r] = 1.f;
@@ -341,6 +533,8 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
   else if (D == 8 * kLanes) pv_tiles<8>(R, p, alpha, vb, acc);
   else pv_rows_any(R, p, alpha, vb, D, acc);
 }
+
+#endif
 
 // kt[d * kChunk + t] = key t's element d, widened; zero past the chunk's end (null rows). AVX-512:
 // 16 x 16 tiles transposed in registers (64 shuffles each) instead of 16 x D scalar moves per tile.
@@ -376,6 +570,21 @@ void transpose_keys(const T* const* krow, int64_t D, float* kt) {
       }
       for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (db + j) * kChunk + tb, r[j]);
     }
+#elif defined(__AVX2__)
+  for (int64_t tb = 0; tb < kChunk; tb += 8)  // 8 x 8 tiles: unpack, shuffle, swap 128-bit halves
+    for (int64_t db = 0; db < D; db += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = krow[tb + i] ? load_kv8(krow[tb + i] + db) : _mm256_setzero_ps();
+      for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {
+        _mm256_store_ps(kt + (db + j) * kChunk + tb, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+        _mm256_store_ps(kt + (db + j + 4) * kChunk + tb, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+      }
+    }
 #else
   for (int64_t t = 0; t < kChunk; ++t)
     for (int64_t d = 0; d < D; d += kLanes) {
@@ -387,7 +596,7 @@ void transpose_keys(const T* const* krow, int64_t D, float* kt) {
 
 using ChunkRows = void (*)(const float*, int64_t, const int64_t*, const float*, const float*, int64_t, float* const*,
                            float*, v16f*);
-constexpr ChunkRows kChunkRows[kRowBlock + 1] = {nullptr, chunk_rows<1>, chunk_rows<2>, chunk_rows<3>, chunk_rows<4>,
+constexpr ChunkRows kChunkRows[13] = {nullptr, chunk_rows<1>, chunk_rows<2>, chunk_rows<3>, chunk_rows<4>,
                                                  chunk_rows<5>, chunk_rows<6>, chunk_rows<7>, chunk_rows<8>,
                                                  chunk_rows<9>, chunk_rows<10>, chunk_rows<11>, chunk_rows<12>};
 

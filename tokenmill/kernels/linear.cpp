@@ -1,13 +1,13 @@
 // Weight-only int4/int8 linear layers: y = x W^T with W stored quantized.
 //
-// Compiled for the host (-march=native) on first use. Threads come from ATen's pool, so
+// Compiled on first use for one ISA variant (build.py). Threads come from ATen's pool, so
 // torch.set_num_threads / --threads govern them too. Owns arithmetic only: shapes and layouts are
 // checked here, policy (when to call which kernel) lives in the Python layers.
 //
 // Weights come in "panels" of 16 output rows (N padded to a multiple of 16 with zero rows), in one
-// of two layouts, chosen once by the CPU the kernels were built for:
+// of two layouts: the dot layout wherever K (and the int4 group) is a multiple of 32, else the float one.
 //
-// float layout (any x86-64): x stays float32, the weights are widened to float32.
+// float layout: x stays float32, the weights are widened to float32.
 //   int4  q   uint8 (P, K/2, 16)  byte [p, j, i] = q[16p+i, 2j] | q[16p+i, 2j+1] << 4
 //         s,m float (P, K/g, 16)  w[n, k] = q[n, k] * s[n, k/g] + m[n, k/g]
 //   int8  q   int8  (P, K, 16)    w[n, k] = q[16p+i, k] * s[n]
@@ -16,9 +16,11 @@
 //   and reused by every row of x in the tile (a GEMM with weight reuse, not a GEMV per row).
 //   Float32 arithmetic: equals dequantize + matmul up to summation order.
 //
-// dot layout (AVX512-VNNI): x is rounded to 16- or 8-bit integers per 32 inputs, x ~ d_b * xq,
-// and VPDPBUSD multiplies 4 weight bytes by 4 activation bytes per lane. 16 bits: xq = 256 h + l
-// split into two int8 halves, one VPDPBUSD for h and one for l; 8 bits: xq = h, one VPDPBUSD.
+// dot layout (every variant): x is rounded to 16- or 8-bit integers per 32 inputs, x ~ d_b * xq,
+// and VPDPBUSD (AVX512-VNNI, AVX-VNNI) multiplies 4 weight bytes by 4 activation bytes per lane;
+// AVX2 has VPMADDUBSW + VPMADDWD for int4 and VPMADDWD on widened weights for int8 (the AVX2
+// tiles below). 16 bits: xq = 256 h + l split into two int8 halves, one product for h and one
+// for l; 8 bits: xq = h, one product.
 //   int4  q   uint8 (P, K/8, 16, 4)  byte [p, o, i, j] = q[n, 8o+j] | q[n, 8o+4+j] << 4
 //   int8  q   uint8 (P, K/4, 16, 4)  byte [p, o, i, j] = q[n, 4o+j] + 128   (unsigned for VPDPBUSD)
 //   y[n] = sum_b d_b s[n, g(b)] (q . xq)_b + sum_g m[n, g] sum_{b in g} d_b sum(xq)_b   (int4)
@@ -51,8 +53,8 @@ void int4_tile(const float* x, int64_t ldx, const uint8_t* q, const float* s, co
       nibbles(q + k * (kLanes / 2), lo, hi);
       const v16f w0 = lo * sc + mn, w1 = hi * sc + mn;
       for (int r = 0; r < MT; ++r) {
-        acc[r][0] += w0 * x[r * ldx + k];
-        acc[r][1] += w1 * x[r * ldx + k + 1];
+        acc[r][0] += w0 * splat(x[r * ldx + k]);
+        acc[r][1] += w1 * splat(x[r * ldx + k + 1]);
       }
     }
   }
@@ -67,8 +69,8 @@ void int8_tile(const float* x, int64_t ldx, const int8_t* q, const float* s, int
   for (int64_t k = 0; k < K; k += 2) {
     const v16f w0 = bytes(q + k * kLanes), w1 = bytes(q + (k + 1) * kLanes);
     for (int r = 0; r < MT; ++r) {
-      acc[r][0] += w0 * x[r * ldx + k];
-      acc[r][1] += w1 * x[r * ldx + k + 1];
+      acc[r][0] += w0 * splat(x[r * ldx + k]);
+      acc[r][1] += w1 * splat(x[r * ldx + k + 1]);
     }
   }
   const v16f sc = load(s);
@@ -183,46 +185,70 @@ namespace {
 #ifdef TOKENMILL_DOT
 constexpr bool kDot = true;
 
-// x (M, K) float -> integers per 32 inputs. 16 bits: x ~ d_b * (256 h + l), h and l int8 (M, K);
-// 8 bits: x ~ d_b * h (l unused), llama.cpp's Q8 activations. d (M, K/32), qsum (M, K/32) sums of
-// the integers, xsum (M, K/group) sums of the rounded x per weight group (the int4 minimum term):
-// the product equals round(x) . w exactly, up to float32 summation.
-// 16 bits keep the product within float32's accuracy; 8 bits halve the VPDPBUSDs per weight byte
+// x (M, K) float -> integers per 32 inputs, xq = round(x / d_b), |xq| <= 127 * 256 (16 bits) or 127
+// (8 bits, llama.cpp's Q8 activations). The tiles read them as int8 halves, xq = 256 h + l (h, l
+// (M, K); 8 bits: xq = h, l unused) or, for the AVX2 int8 kernel, as int16 (x16 (M, K)). d (M, K/32),
+// qsum (M, K/32) sums of the integers, xsum (M, K/group) sums of the rounded x per weight group (the
+// int4 minimum term): the product equals round(x) . w exactly, up to float32 summation.
+// 16 bits keep the product within float32's accuracy; 8 bits halve the integer products per weight
 // for +0.23 % perplexity on the default model (benchmarks/RESULTS.md).
 struct QuantizedX {
   std::vector<int8_t> h, l;
+  std::vector<int16_t> x16;
   std::vector<float> d, xsum;
   std::vector<int32_t> qsum;
 };
 
-QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, bool wide) {
+enum XForm { kHalves = 0, kInt16 = 1 };
+
+// One block of 32 inputs -> its 32 integers (rounded to nearest even) and its scale.
+inline float quantize_block(const float* x, float qmax, int32_t* q) {
+#if defined(TOKENMILL_DOT512)
+  const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+  const __m512 inv = _mm512_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+  _mm512_storeu_si512(q, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+  _mm512_storeu_si512(q + 16, _mm512_cvtps_epi32(_mm512_mul_ps(c, inv)));
+#else
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  const float amax = hmax8(m);
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+#endif
+  return amax / qmax;
+}
+
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, bool wide, XForm form) {
   const int64_t nb = K / 32, ng = group ? K / group : 0;
   // |256 h + l| <= 32512 keeps h in [-127, 127]
   const float qmax = wide ? 127.f * 256.f : 127.f;
-  QuantizedX r{std::vector<int8_t>(M * K), std::vector<int8_t>(wide ? M * K : 0), std::vector<float>(M * nb),
-               std::vector<float>(M * ng), std::vector<int32_t>(M * nb)};
+  const bool halves = form == kHalves;
+  QuantizedX r{std::vector<int8_t>(halves ? M * K : 0), std::vector<int8_t>(halves && wide ? M * K : 0),
+               std::vector<int16_t>(halves ? 0 : M * K), std::vector<float>(M * nb), std::vector<float>(M * ng),
+               std::vector<int32_t>(M * nb)};
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
+    alignas(64) int32_t q[32];
     for (int64_t i = r0; i < r1; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t off = i * K + b * 32;
-        const __m512 a = _mm512_loadu_ps(x + off), c = _mm512_loadu_ps(x + off + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-        const __m512 inv = _mm512_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+        r.d[i * nb + b] = quantize_block(x + off, qmax, q);
         int32_t sum = 0;
-        for (int half = 0; half < 2; ++half) {
-          const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(half ? c : a, inv));  // round to nearest
-          sum += _mm512_reduce_add_epi32(q);
-          if (!wide) {
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(r.h.data() + off + 16 * half), _mm512_cvtsepi32_epi8(q));
-            continue;
-          }
-          const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);  // floor
-          const __m512i lo = _mm512_sub_epi32(q, _mm512_slli_epi32(hi, 8));                    // [-128, 127]
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(r.h.data() + off + 16 * half), _mm512_cvtepi32_epi8(hi));
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(r.l.data() + off + 16 * half), _mm512_cvtepi32_epi8(lo));
-        }
-        r.d[i * nb + b] = amax / qmax;
+        for (int j = 0; j < 32; ++j) sum += q[j];
         r.qsum[i * nb + b] = sum;
+        if (!halves) {
+          for (int j = 0; j < 32; ++j) r.x16[off + j] = static_cast<int16_t>(q[j]);
+        } else if (!wide) {
+          for (int j = 0; j < 32; ++j) r.h[off + j] = static_cast<int8_t>(q[j]);
+        } else {
+          for (int j = 0; j < 32; ++j) {
+            const int32_t hi = (q[j] + 128) >> 8;  // floor: lo = q - 256 hi in [-128, 127]
+            r.h[off + j] = static_cast<int8_t>(hi);
+            r.l[off + j] = static_cast<int8_t>(q[j] - (hi << 8));
+          }
+        }
       }
       for (int64_t g = 0; g < ng; ++g) {  // the rounded x's sum: the error of q.x and m.x then cancel
         float acc = 0.f;
@@ -242,24 +268,26 @@ constexpr int64_t kPrefetch = 4096;
 
 inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
 
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // The tiles read x through raw pointers at their first row: through the vectors, the compiler
 // reloads their data pointers around every int8 load (int8_t may alias anything) -- ~1.4x slower.
 struct XRows {
   const int8_t *h, *l;
+  const int16_t* x16;
   const float *d, *xsum;
   const int32_t* qsum;
 };
 
 XRows rows_at(const QuantizedX& x, int64_t row0, int64_t K, int64_t group) {
   const int64_t nb = K / 32, ng = group ? K / group : 0;
-  return {x.h.data() + row0 * K, x.l.empty() ? nullptr : x.l.data() + row0 * K, x.d.data() + row0 * nb,
-          x.xsum.data() + row0 * ng, x.qsum.data() + row0 * nb};
+  auto at = [&](const auto& v) { return v.empty() ? nullptr : v.data() + row0 * K; };
+  return {at(x.h), at(x.l), at(x.x16), x.d.data() + row0 * nb, x.xsum.data() + row0 * ng, x.qsum.data() + row0 * nb};
+}
+
+#if defined(TOKENMILL_DOT512)
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 // A dot tile is MT rows of x times NP adjacent panels (NP * 16 outputs): each broadcast of x feeds
@@ -361,7 +389,148 @@ void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* 
       store(y + r * ldy + j * kLanes, acc[r][j] * load(s + j * kLanes), j == NP - 1 ? nvalid_last : kLanes);
 }
 
-// Tile<MT, NP>::run(args...) for rows <= 5 and NP in {1, 2}, picked at run time.
+constexpr int kInt4Rows8 = kDot8Rows, kInt4Rows16 = kDot16Rows, kInt8Rows8 = kDot8Rows, kInt8Rows16 = kDot16Rows;
+constexpr int kInt4Halves8 = 2, kInt4Halves16 = 2, kInt8Halves = 2;  // unused: whole 512-bit panels
+constexpr XForm kInt8X = kHalves;
+#else
+// AVX2 (and AVX-VNNI): the same byte layouts, read as two 8-output halves of 32 bytes per panel
+// row. 16 ymm registers hold a tile of MT rows x NU halves: int4 keeps 2 (16-bit x: 4) integer
+// accumulators per row and half, the unpacked nibbles 2 per half, a broadcast or two.
+//   int4: VPMADDUBSW multiplies the nibbles (u8, 0..15) by x's int8 bytes and adds pairs into
+//   int16 lanes; the 4 octets of a 32-input block stay below 2^15 (4 x 2 x 2 x 15 x 128 = 30,720),
+//   so they add in int16 and VPMADDWD by ones widens them once per block. AVX-VNNI: VPDPBUSD adds
+//   the quads into int32 directly.
+//   int8: q + 128 (u8, 0..255) would overflow VPMADDUBSW's int16 pairs, so the weights are widened
+//   to int16 and VPMADDWD multiplies them by x as int16 (either width, one instruction per 16
+//   weights and row; AVX-VNNI: VPDPWSSD), each output's pairs of lanes added once per block.
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+#if defined(__AVXVNNI__)
+inline __m256i dot_quads(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+inline __m256i quad_sums(__m256i acc) { return acc; }
+inline __m256i dot_pairs(__m256i acc, __m256i w, __m256i x) { return _mm256_dpwssd_avx_epi32(acc, w, x); }
+#else
+inline __m256i dot_quads(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w, x)); }
+inline __m256i quad_sums(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+inline __m256i dot_pairs(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
+#endif
+
+// y[r, 8u + i] (8 lanes of output half u): all 8, a prefix, or none of a partial last panel
+inline void store8(float* p, __m256 v, int n) {
+  if (n >= 8) _mm256_storeu_ps(p, v);
+  else if (n > 0) std::memcpy(p, &v, sizeof(float) * n);
+}
+
+template <int MT, int NU, bool W>
+void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const float* s, const float* m, float* y,
+                   int64_t ldy, int nvalid) {
+  const int64_t nb = K / 32, ng = K / group, bpg = group / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int u0 = 0; u0 < 2; u0 += NU) {
+    __m256 acc[MT][NU];
+    for (int r = 0; r < MT; ++r)
+      for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 sw[NU], mw[NU];
+      for (int u = 0; u < NU; ++u)
+        sw[u] = _mm256_loadu_ps(s + g * kLanes + (u0 + u) * 8), mw[u] = _mm256_loadu_ps(m + g * kLanes + (u0 + u) * 8);
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        __m256i hacc[MT][NU], lacc[MT][NU];
+        for (int r = 0; r < MT; ++r)
+          for (int u = 0; u < NU; ++u) hacc[r][u] = lacc[r][u] = _mm256_setzero_si256();
+        for (int64_t o = 0; o < 4; ++o) {
+          const uint8_t* qo = q + (b * 4 + o) * 64;
+          if (u0 == 0) prefetch_ahead(qo);
+          __m256i lo[NU], hi[NU];
+          for (int u = 0; u < NU; ++u) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + (u0 + u) * 32));
+            lo[u] = _mm256_and_si256(v, low), hi[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+          }
+          for (int r = 0; r < MT; ++r) {
+            const int64_t at = r * K + b * 32 + o * 8;
+            const __m256i h0 = bcast4(x.h + at), h1 = bcast4(x.h + at + 4);
+            for (int u = 0; u < NU; ++u) hacc[r][u] = dot_quads(dot_quads(hacc[r][u], lo[u], h0), hi[u], h1);
+            if constexpr (W) {
+              const __m256i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
+              for (int u = 0; u < NU; ++u) lacc[r][u] = dot_quads(dot_quads(lacc[r][u], lo[u], l0), hi[u], l1);
+            }
+          }
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
+          for (int u = 0; u < NU; ++u) {
+            const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(quad_sums(hacc[r][u]), 8), quad_sums(lacc[r][u]))
+                                  : quad_sums(hacc[r][u]);
+            acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw[u], d), acc[r][u]);
+          }
+        }
+      }
+      for (int r = 0; r < MT; ++r)
+        for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_fmadd_ps(mw[u], _mm256_set1_ps(x.xsum[r * ng + g]), acc[r][u]);
+    }
+    for (int r = 0; r < MT; ++r)
+      for (int u = 0; u < NU; ++u) store8(y + r * ldy + (u0 + u) * 8, acc[r][u], nvalid - (u0 + u) * 8);
+  }
+}
+
+// int8: the 64 bytes of an input quad hold 4 outputs per 16 bytes, widened to 16 int16 lanes
+// (output, input) whose VPMADDWD with x's 4 inputs leaves 2 int32 lanes per output.
+template <int MT, int NU, bool W>
+void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid) {
+  const int64_t nb = K / 32;
+  for (int u0 = 0; u0 < 2; u0 += NU) {
+    __m256 acc[MT][NU];
+    for (int r = 0; r < MT; ++r)
+      for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i iacc[MT][NU][2];
+      for (int r = 0; r < MT; ++r)
+        for (int u = 0; u < NU; ++u) iacc[r][u][0] = iacc[r][u][1] = _mm256_setzero_si256();
+      for (int64_t o = 0; o < 8; ++o) {
+        const uint8_t* qo = q + (b * 8 + o) * 64;
+        if (u0 == 0) prefetch_ahead(qo);
+        __m256i w[NU][2];
+        for (int u = 0; u < NU; ++u)
+          for (int c = 0; c < 2; ++c)
+            w[u][c] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + (u0 + u) * 32 + c * 16)));
+        for (int r = 0; r < MT; ++r) {
+          int64_t four;
+          std::memcpy(&four, x.x16 + r * K + b * 32 + o * 4, 8);
+          const __m256i xb = _mm256_set1_epi64x(four);
+          for (int u = 0; u < NU; ++u)
+            for (int c = 0; c < 2; ++c) iacc[r][u][c] = dot_pairs(iacc[r][u][c], w[u][c], xb);
+        }
+      }
+      for (int r = 0; r < MT; ++r) {
+        const __m256i bias = _mm256_set1_epi32(128 * x.qsum[r * nb + b]);
+        const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
+        for (int u = 0; u < NU; ++u) {  // hadd: [o0 o1 o4 o5 | o2 o3 o6 o7] -> in order
+          const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(iacc[r][u][0], iacc[r][u][1]), 0xD8);
+          acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), d, acc[r][u]);
+        }
+      }
+    }
+    for (int r = 0; r < MT; ++r)
+      for (int u = 0; u < NU; ++u)
+        store8(y + r * ldy + (u0 + u) * 8, _mm256_mul_ps(acc[r][u], _mm256_loadu_ps(s + (u0 + u) * 8)),
+               nvalid - (u0 + u) * 8);
+  }
+}
+
+// Tiles (rows x halves) picked with kernel_bench.py on an AVX2 EPYC (Zen 2), 1 and 256 rows: 16-bit
+// int4 3 x 2 beat 2 x 2, 4 x 1/2, 5 x 1; 8-bit int4 6 x 1 beat 4 x 2, 5 x 2; int8 3 x 1 ~ 4 x 1.
+constexpr int kDotPanels = 1;
+constexpr int kInt4Rows8 = 6, kInt4Rows16 = 3, kInt8Rows8 = 3, kInt8Rows16 = 3;
+constexpr int kInt4Halves8 = 1, kInt4Halves16 = 2, kInt8Halves = 1;
+constexpr XForm kInt8X = kInt16;
+#endif
+
+// Tile<MT, NP>::run(args...) picked at run time for rows <= 6; NP: 512-bit panels per tile, or
+// 256-bit halves processed together.
 #define DOT_TILE_ADAPTER(Name, ...)                 \
   template <int MT, int NP>                         \
   struct Name {                                     \
@@ -381,15 +550,24 @@ void dispatch_dot_rows(int rows, Args... args) {
     case 3: Tile<3, NP>::run(args...); break;
     case 4: Tile<4, NP>::run(args...); break;
     case 5: Tile<5, NP>::run(args...); break;
+    case 6: Tile<6, NP>::run(args...); break;
     default: TORCH_CHECK(false, "row tile out of range");
   }
 }
 
+#if defined(TOKENMILL_DOT512)
 template <template <int, int> class Tile, typename... Args>
-void dispatch_dot(int rows, int np, Args... args) {
+void dispatch_dot(int rows, int np, int /*halves*/, Args... args) {
   if (np == kDotPanels) dispatch_dot_rows<Tile, kDotPanels>(rows, args...);
   else dispatch_dot_rows<Tile, 1>(rows, args...);
 }
+#else
+template <template <int, int> class Tile, typename... Args>
+void dispatch_dot(int rows, int /*np*/, int halves, Args... args) {
+  if (halves == 2) dispatch_dot_rows<Tile, 2>(rows, args...);
+  else dispatch_dot_rows<Tile, 1>(rows, args...);
+}
+#endif
 
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
@@ -406,18 +584,19 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
-  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16, kHalves);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(P, M, N, bits == 16 ? kDot16Rows : kDot8Rows, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
+  const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8, halves = bits == 16 ? kInt4Halves16 : kInt4Halves8;
+  for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const uint8_t* qt = qp + p * K * 8;
     const float *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
     float* yt = yp + r * N + p * kLanes;
-    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, xr, K, group, qt, st, mt, yt, N, nvalid);
-    else dispatch_dot<Int4Dot8Tile>(rows, np, xr, K, group, qt, st, mt, yt, N, nvalid);
+    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, halves, xr, K, group, qt, st, mt, yt, N, nvalid);
+    else dispatch_dot<Int4Dot8Tile>(rows, np, halves, xr, K, group, qt, st, mt, yt, N, nvalid);
   });
   return y;
 }
@@ -433,17 +612,18 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
-  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kInt8X);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for_each_tile(P, M, N, bits == 16 ? kDot16Rows : kDot8Rows, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
+  const int tile = bits == 16 ? kInt8Rows16 : kInt8Rows8, halves = kInt8Halves;
+  for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, 0);
     const uint8_t* qt = qp + p * K * kLanes;
     float* yt = yp + r * N + p * kLanes;
-    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
-    else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
+    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, halves, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
+    else dispatch_dot<Int8Dot8Tile>(rows, np, halves, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
   });
   return y;
 }
@@ -453,11 +633,13 @@ constexpr bool kDot = false;
 #endif
 
 std::string layout() { return kDot ? "dot" : "float"; }
+std::string isa() { return TOKENMILL_ISA; }
 
 }  // namespace tokenmill
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def("layout", &tokenmill::layout);
+  m.def("isa", &tokenmill::isa);
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
 #ifdef TOKENMILL_DOT

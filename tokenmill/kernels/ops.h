@@ -3,8 +3,21 @@
 #pragma once
 #include "vec.h"
 
+// The dot layout (integer products, linear.cpp) on every variant: 512-bit VPDPBUSD with
+// AVX512-VNNI, 256-bit VPDPBUSD with AVX-VNNI, VPMADDUBSW/VPMADDWD with AVX2.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define TOKENMILL_DOT 1
+#define TOKENMILL_DOT512 1
+#elif defined(__AVX2__)
+#define TOKENMILL_DOT 1
+#endif
+// The variant's name (build.py passes -DTOKENMILL_ISA_NAME=avx2 etc.), as a string.
+#define TOKENMILL_STR2(x) #x
+#define TOKENMILL_STR(x) TOKENMILL_STR2(x)
+#ifdef TOKENMILL_ISA_NAME
+#define TOKENMILL_ISA TOKENMILL_STR(TOKENMILL_ISA_NAME)
+#else
+#define TOKENMILL_ISA "unknown"
 #endif
 
 namespace tokenmill {

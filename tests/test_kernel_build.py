@@ -1,0 +1,107 @@
+"""The kernels' ISA variants and their build: which variant a CPU gets, a forced variant the CPU
+cannot run refused with a clear error, cache names keyed by the variant, every other variant this
+machine can execute passing the kernel tests, and a wheel install (outside the checkout, with a
+fresh build cache) that builds and loads the kernels from the packaged sources alone."""
+import os
+import pathlib
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from tokenmill import kernels
+from tokenmill.kernels import build
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_KERNELS=0")
+
+ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi1 bmi2 popcnt".split())
+ALDER_LAKE = ZEN3 | {"avx_vnni"}
+SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+ICE_LAKE = SKYLAKE_X | {"avx512_vnni", "avx512vbmi"}
+
+
+@pytest.mark.parametrize("flags,want", [(ZEN3, "avx2"), (ALDER_LAKE, "avxvnni"), (SKYLAKE_X, "avx512"),
+                                        (ICE_LAKE, "avx512vnni"), (frozenset({"sse4_2", "avx"}), None)])
+def test_auto_picks_the_widest_variant_the_cpu_runs(flags, want, monkeypatch):
+    monkeypatch.setattr(build, "is_x86", lambda: True)
+    assert build.best(flags) == want
+    assert set(build.executable(flags)) <= set(build.VARIANTS)
+    assert (want in build.executable(flags)) if want else not build.executable(flags)
+
+
+def test_a_forced_variant_must_exist_and_run_here(monkeypatch):
+    monkeypatch.setenv(build.ISA_ENV, "avx9000")
+    with pytest.raises(build.UnsupportedISA, match="not a kernel variant"):
+        build.requested()
+    monkeypatch.setattr(build, "cpu_flags", lambda: ZEN3)
+    monkeypatch.setattr(build, "is_x86", lambda: True)
+    monkeypatch.setenv(build.ISA_ENV, "avx512vnni")
+    with pytest.raises(build.UnsupportedISA, match=r"lacks \(.*avx512_vnni.*\); it can run: avx2"):
+        build.requested()
+    monkeypatch.setenv(build.ISA_ENV, "AVX2")
+    assert build.requested() == "avx2"
+    monkeypatch.setattr(build, "is_x86", lambda: False)  # an ARM machine: PyTorch's kernels
+    monkeypatch.setenv(build.ISA_ENV, "auto")
+    assert build.requested() is None
+
+
+def test_cache_names_differ_by_variant_and_name_the_variant():
+    names = {isa: build.library_name(isa) for isa in build.VARIANTS}
+    assert len(set(names.values())) == len(names)
+    assert all(n.startswith(f"tokenmill_cpu_{isa}_") for isa, n in names.items())
+
+
+def test_the_loaded_library_is_the_requested_variant():
+    import torch
+
+    assert kernels.available()
+    assert kernels.isa() == build.requested() == torch.ops.tokenmill.isa()
+    assert kernels.dot_layout()
+    assert (build.cache_dir() / f"{build.library_name(kernels.isa())}.so").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", list(build.VARIANTS))
+def test_every_variant_this_cpu_runs_passes_the_kernel_tests(isa):
+    if isa not in build.executable():
+        pytest.skip(f"this CPU cannot execute {isa}")
+    if isa == kernels.isa():
+        pytest.skip(f"{isa} is this process's variant: tests/test_kernels.py ran on it")
+    env = {**os.environ, build.ISA_ENV: isa}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_kernels.py"),
+                        str(ROOT / "tests" / "test_decode_stack.py")], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_wheel_install_builds_and_loads_the_kernels(tmp_path):
+    """pip wheel, then a fresh venv outside the checkout that sees this environment's torch (a .pth
+    file) but tokenmill only from the wheel, and an empty kernel cache: the build must find every
+    source and header in the installed package."""
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+                    str(ROOT)], check=True, timeout=600)
+    wheel = next(wheels.glob("tokenmill-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (pathlib.Path(site) / "deps.pth").write_text("\n".join(sorted(deps)) + "\n")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, str(wheel)],
+                   check=True, timeout=600)
+    probe = ("import tokenmill, tokenmill.kernels as k, torch; "
+             "assert k.available(), 'kernels did not load'; "
+             "print(tokenmill.__file__, k.isa(), torch.ops.tokenmill.isa())")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
+    env["TOKENMILL_CACHE_DIR"] = str(tmp_path / "cache")
+    r = subprocess.run([py, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    path, isa, built = r.stdout.split()
+    assert path.startswith(site) and isa == built == build.requested()
+    assert list((tmp_path / "cache" / "kernels").glob(f"tokenmill_cpu_{isa}_*.so"))
+
