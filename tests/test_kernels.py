@@ -38,9 +38,12 @@ def quantized_x(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
 def int4_reference(x, q, scale, minimum, bits):
     """float64 dequantize + matmul, and what the dot layout computes: the rounded x times the
     exact weights (the minimum term too sees the rounded x)."""
+    dot = kernels.dot_layout() and (q.shape[1] // scale.shape[1]) % 32 == 0
+    if dot:  # the dot layout keeps scales and minimums in float16: those are its exact weights
+        scale, minimum = scale.half().float(), minimum.half().float()
     deq = int4.dequantize(q, scale, minimum).double()
     exact = x.double() @ deq.t()
-    if not (kernels.dot_layout() and (q.shape[1] // scale.shape[1]) % 32 == 0):
+    if not dot:
         return exact, exact
     xq, d = quantized_x(x, bits)
     return (xq * d).reshape(x.shape) @ deq.t(), exact

@@ -65,7 +65,7 @@ def _load() -> bool:
     built = torch.ops.tokenmill.isa()
     if built != isa:  # a library of another variant was already loaded into this process
         raise RuntimeError(f"tokenmill kernels: asked for {isa} but {built} is loaded ({path}).")
-    _state["isa"] = isa
+    _state["isa"], _state["path"] = isa, str(path)
     _state["dot"] = torch.ops.tokenmill.layout() == "dot"
     logger.info("tokenmill CPU kernels: %s variant (%s layout)", isa, torch.ops.tokenmill.layout())
     return True
@@ -89,8 +89,8 @@ def dot_layout() -> bool:
 class Int4Panels:
     """Group-wise int4, w = q * s + m, in 16-row panels (byte layouts: linear.cpp)."""
     q: torch.Tensor   # uint8 (P, K/2, 16), or (P, K/8, 64) in the dot layout
-    s: torch.Tensor   # float32 (P, K/group, 16)
-    m: torch.Tensor   # float32 (P, K/group, 16)
+    s: torch.Tensor   # float32 (P, K/group, 16); float16 in the dot layout
+    m: torch.Tensor   # float32 (P, K/group, 16); float16 in the dot layout
     out_features: int
     dot: bool = False
     act_bits: int = 16  # dot layout: x rounded to 8- or 16-bit integers per 32 inputs (ACT_BITS)
@@ -125,7 +125,9 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> In
         octets = qp.reshape(-1, LANES, k // 8, 2, 4)                          # (P, 16, K/8, half, 4)
         packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)               # (P, 16, K/8, 4)
         panels = packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES).contiguous()  # (P, K/8, 64)
-        return Int4Panels(panels, per_panel(scale), per_panel(minimum), n, dot=True)
+        # float16 scales and minimums: what GGUF, AWQ and GPTQ store; float32 would add a third to
+        # the bytes a batch-1 decode streams per weight (4-bit weight + 2 x 32 bits per 32 weights)
+        return Int4Panels(panels, per_panel(scale).half(), per_panel(minimum).half(), n, dot=True)
     pairs = qp[:, 0::2] | (qp[:, 1::2] << 4)                               # (Np, K/2)
     panels = pairs.reshape(-1, LANES, k // 2).transpose(1, 2).contiguous()  # (P, K/2, 16)
     return Int4Panels(panels, per_panel(scale), per_panel(minimum), n)

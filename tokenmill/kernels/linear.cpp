@@ -125,9 +125,9 @@ void check_n(int64_t N, int64_t P) {
   TORCH_CHECK(N > (P - 1) * kLanes && N <= P * kLanes, "N does not match the panels");
 }
 
-void check_scales_mins(const at::Tensor& s, const at::Tensor& m, int64_t P) {
+void check_scales_mins(const at::Tensor& s, const at::Tensor& m, int64_t P, at::ScalarType dtype = at::kFloat) {
   TORCH_CHECK(s.sizes() == m.sizes() && s.size(0) == P && s.is_contiguous() && m.is_contiguous() &&
-              s.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat, "scales/mins must be float (P, G, 16)");
+              s.scalar_type() == dtype && m.scalar_type() == dtype, "scales/mins must be ", dtype, " (P, G, 16)");
 }
 
 void check_x(const at::Tensor& x, int64_t K) {
@@ -284,6 +284,8 @@ XRows rows_at(const QuantizedX& x, int64_t row0, int64_t K, int64_t group) {
 }
 
 #if defined(TOKENMILL_DOT512)
+inline v16f load_half(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -298,7 +300,7 @@ constexpr int kDot8Rows = 5, kDot16Rows = 3, kDotPanels = 2;
 
 // int4: per (row, panel) an int32 chain of weights times h and, for 16-bit x (W), one times l.
 template <int MT, int NP, bool W>
-void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const float* s, const float* m, float* y,
+void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
                    int64_t ldy, int nvalid_last) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32, qstride = K * 8, sstride = ng * kLanes;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -307,7 +309,7 @@ void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const fl
     for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
   for (int64_t g = 0; g < ng; ++g) {
     v16f sw[NP], mw[NP];
-    for (int j = 0; j < NP; ++j) sw[j] = load(s + j * sstride + g * kLanes), mw[j] = load(m + j * sstride + g * kLanes);
+    for (int j = 0; j < NP; ++j) sw[j] = load_half(s + j * sstride + g * kLanes), mw[j] = load_half(m + j * sstride + g * kLanes);
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
       __m512i hacc[MT][NP], lacc[MT][NP];
       for (int r = 0; r < MT; ++r)
@@ -419,6 +421,8 @@ inline __m256i quad_sums(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set
 inline __m256i dot_pairs(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
 #endif
 
+inline __m256 load_half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // y[r, 8u + i] (8 lanes of output half u): all 8, a prefix, or none of a partial last panel
 inline void store8(float* p, __m256 v, int n) {
   if (n >= 8) _mm256_storeu_ps(p, v);
@@ -426,7 +430,7 @@ inline void store8(float* p, __m256 v, int n) {
 }
 
 template <int MT, int NU, bool W>
-void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const float* s, const float* m, float* y,
+void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
                    int64_t ldy, int nvalid) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -437,7 +441,7 @@ void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const fl
     for (int64_t g = 0; g < ng; ++g) {
       __m256 sw[NU], mw[NU];
       for (int u = 0; u < NU; ++u)
-        sw[u] = _mm256_loadu_ps(s + g * kLanes + (u0 + u) * 8), mw[u] = _mm256_loadu_ps(m + g * kLanes + (u0 + u) * 8);
+        sw[u] = load_half8(s + g * kLanes + (u0 + u) * 8), mw[u] = load_half8(m + g * kLanes + (u0 + u) * 8);
       for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
         __m256i hacc[MT][NU], lacc[MT][NU];
         for (int r = 0; r < MT; ++r)
@@ -580,20 +584,20 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
               "int4 dot weights must be uint8 (P, K/8, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 8, G = s.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "group size must be a multiple of 32 dividing K");
-  check_scales_mins(s, m, P);
+  check_scales_mins(s, m, P, at::kHalf);
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16, kHalves);
   at::Tensor y = at::empty({M, N}, x.options());
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float *sp = s.data_ptr<float>(), *mp = m.data_ptr<float>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8, halves = bits == 16 ? kInt4Halves16 : kInt4Halves8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const uint8_t* qt = qp + p * K * 8;
-    const float *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
+    const at::Half *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
     float* yt = yp + r * N + p * kLanes;
     if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, halves, xr, K, group, qt, st, mt, yt, N, nvalid);
     else dispatch_dot<Int4Dot8Tile>(rows, np, halves, xr, K, group, qt, st, mt, yt, N, nvalid);

@@ -2,8 +2,8 @@
 `group_size` consecutive inputs of a row — exactly GGUF's Q4_1 (Q4_0 is min = -8 * scale).
 
 Two layouts. Where tokenmill's CPU kernels are built (`tokenmill.kernels`), 16-row panels with
-float32 scales and mins: exact weights, float32 or 16-bit-integer activations, one unpacked
-weight reused by every row of a batch. Otherwise PyTorch's CPU int4 layout for `torch._weight_int4pack_mm_for_cpu`, which
+float16 scales and mins (as GGUF, AWQ and GPTQ store them; float32 where a group is not a multiple
+of 32), 16- or 8-bit-integer activations, one unpacked weight reused by every row of a batch. Otherwise PyTorch's CPU int4 layout for `torch._weight_int4pack_mm_for_cpu`, which
 dequantizes as (q - 8) * scale + zero (so zero = min + 8 * scale, kept in bfloat16) and runs fast
 only with bfloat16 activations (~920 us vs 28 us in float32 for a 1536x576 matrix here), so
 inputs are cast to bfloat16 for that product and back.
