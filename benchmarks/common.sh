@@ -31,6 +31,7 @@ case "$ISA" in
 esac
 [ "$ISA" = native ] || export TOKENMILL_CPU_ISA=$ISA
 LLAMA_BUILD=$PEERS/llama.cpp-build$([ "$ISA" = native ] || echo "-$ISA")
+SUFFIX=$([ "$ISA" = native ] || echo "-$ISA")  # results files of a pinned ISA: name-$ISA.jsonl
 
 # llama.cpp's server and llama-bench, from the llama.cpp sources vendored in the llama-cpp-python sdist
 build_llamacpp() {

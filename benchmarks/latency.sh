@@ -6,7 +6,7 @@
 source "$(dirname "$0")/common.sh"
 REPS=${REPS:-3}
 build_llamacpp
-out=$RESULTS/latency$([ "$ISA" = native ] || echo "-$ISA").jsonl; : > "$out"
+out=$RESULTS/latency$SUFFIX.jsonl; : > "$out"
 for r in $(seq 1 "$REPS"); do
   OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$MODEL" --input-len 32 --output-len 256 \
      --repeats 1 | "$PY" -c 'import json,sys; d=json.load(sys.stdin); d.pop("runs"); print(json.dumps({"peer": "tokenmill", **d}))' >> "$out"

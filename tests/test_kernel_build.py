@@ -82,9 +82,15 @@ def test_a_wheel_install_builds_and_loads_the_kernels(tmp_path):
     """pip wheel, then a fresh venv outside the checkout that sees this environment's torch (a .pth
     file) but tokenmill only from the wheel, and an empty kernel cache: the build must find every
     source and header in the installed package."""
+    import shutil
+
+    src = tmp_path / "src"  # a copy: setuptools writes build/ beside the sources
+    shutil.copytree(ROOT / "tokenmill", src / "tokenmill", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     wheels = tmp_path / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheels),
-                    str(ROOT)], check=True, timeout=600)
+                    str(src)], check=True, timeout=600)
     wheel = next(wheels.glob("tokenmill-*.whl"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
