@@ -27,7 +27,6 @@ ICE_LAKE = SKYLAKE_X | {"avx512_vnni", "avx512vbmi"}
 def test_auto_picks_the_widest_variant_the_cpu_runs(flags, want, monkeypatch):
     monkeypatch.setattr(build, "is_x86", lambda: True)
     assert build.best(flags) == want
-    assert set(build.executable(flags)) <= set(build.VARIANTS)
     assert (want in build.executable(flags)) if want else not build.executable(flags)
 
 

@@ -360,8 +360,10 @@ bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tenso
 constexpr int64_t kQueryTile = 32, kChunk = 2 * kLanes;
 #if defined(__AVX512F__)
 constexpr int kRowBlock = 12, kPvVectors = 24;  // 32 zmm: 12 rows x 2 score vectors; 24 P.V accumulators
+#elif defined(__AVX2__)
+constexpr int kRowBlock = 3;                    // 16 ymm: 3 rows x 4 score vectors + 4 keys (pv_avx2)
 #else
-constexpr int kRowBlock = 3, kPvVectors = 4;    // 16 ymm: 3 rows x 4 score vectors + 4 keys (pv_avx2)
+constexpr int kRowBlock = 12, kPvVectors = 24;  // no variant builds without AVX2; kept portable
 #endif
 
 inline float hmax(v16f v) {
@@ -376,50 +378,6 @@ inline float hmax(v16f v) {
 #endif
 }
 
-// acc[r] = acc[r] * alpha[r] + p[r] . V for RP rows, V = the chunk's values (kChunk x 16 ND):
-// the rows' outputs stay in registers (RP x ND vectors) for the whole chunk, so each probability is
-// broadcast once and each V vector loaded once per RP rows; the softmax rescale rides on the load.
-template <int RP, int ND>
-void pv_rows(const float (*p)[kChunk], const float* alpha, const float* vb, float* const* acc) {
-  v16f a[RP][ND];
-  for (int r = 0; r < RP; ++r)
-    for (int j = 0; j < ND; ++j) a[r][j] = load(acc[r] + j * kLanes) * splat(alpha[r]);
-  for (int64_t t = 0; t < kChunk; ++t) {
-    v16f v[ND];
-    for (int j = 0; j < ND; ++j) v[j] = load(vb + t * ND * kLanes + j * kLanes);
-    for (int r = 0; r < RP; ++r) {
-      const v16f pr = splat(p[r][t]);
-      for (int j = 0; j < ND; ++j) a[r][j] += pr * v[j];
-    }
-  }
-  for (int r = 0; r < RP; ++r)
-    for (int j = 0; j < ND; ++j) store(acc[r] + j * kLanes, a[r][j], kLanes);
-}
-
-// Any head size (a multiple of 16): the rows' outputs go through memory once per 16 lanes.
-void pv_rows_any(int R, const float (*p)[kChunk], const float* alpha, const float* vb, int64_t D,
-                 float* const* acc) {
-  for (int64_t d = 0; d < D; d += kLanes)
-    for (int r = 0; r < R; ++r) {
-      v16f a = load(acc[r] + d) * splat(alpha[r]);
-      for (int64_t t = 0; t < kChunk; ++t) a += splat(p[r][t]) * load(vb + t * D + d);
-      store(acc[r] + d, a, kLanes);
-    }
-}
-
-// Register tiles for head sizes 64 and 128: rows x vectors of 6 x 4 and 3 x 8 (24 accumulators).
-template <int ND>
-void pv_tiles(int R, const float (*p)[kChunk], const float* alpha, const float* vb, float* const* acc) {
-  constexpr int RP = kPvVectors / ND > 0 ? kPvVectors / ND : 1;
-  int r = 0;
-  for (; r + RP <= R; r += RP) pv_rows<RP, ND>(p + r, alpha + r, vb, acc + r);
-  for (; r < R; ++r) pv_rows<1, ND>(p + r, alpha + r, vb, acc + r);
-}
-
-// R query rows x one chunk, online softmax. qt: the rows' queries, scaled and transposed (element d
-// of row r at qt[d * ldq + r]: one pointer serves every row's broadcast); kt: keys transposed
-// (D x kChunk), vb: values (kChunk x D); valid[r]: the row's visible tokens of the chunk;
-// acc/mx/l: the rows' running output, max and (per lane) sum.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2: the same two steps on arrays of ymm registers (GCC keeps arrays of v16f pairs on the
 // stack): scores R rows x 4 vectors, P.V on tiles of 3 rows x 4 vectors (32 outputs).
@@ -494,6 +452,50 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
   pv_avx2(R, p, alpha, vb, D, acc);
 }
 #else
+// acc[r] = acc[r] * alpha[r] + p[r] . V for RP rows, V = the chunk's values (kChunk x 16 ND):
+// the rows' outputs stay in registers (RP x ND vectors) for the whole chunk, so each probability is
+// broadcast once and each V vector loaded once per RP rows; the softmax rescale rides on the load.
+template <int RP, int ND>
+void pv_rows(const float (*p)[kChunk], const float* alpha, const float* vb, float* const* acc) {
+  v16f a[RP][ND];
+  for (int r = 0; r < RP; ++r)
+    for (int j = 0; j < ND; ++j) a[r][j] = load(acc[r] + j * kLanes) * splat(alpha[r]);
+  for (int64_t t = 0; t < kChunk; ++t) {
+    v16f v[ND];
+    for (int j = 0; j < ND; ++j) v[j] = load(vb + t * ND * kLanes + j * kLanes);
+    for (int r = 0; r < RP; ++r) {
+      const v16f pr = splat(p[r][t]);
+      for (int j = 0; j < ND; ++j) a[r][j] += pr * v[j];
+    }
+  }
+  for (int r = 0; r < RP; ++r)
+    for (int j = 0; j < ND; ++j) store(acc[r] + j * kLanes, a[r][j], kLanes);
+}
+
+// Any head size (a multiple of 16): the rows' outputs go through memory once per 16 lanes.
+void pv_rows_any(int R, const float (*p)[kChunk], const float* alpha, const float* vb, int64_t D,
+                 float* const* acc) {
+  for (int64_t d = 0; d < D; d += kLanes)
+    for (int r = 0; r < R; ++r) {
+      v16f a = load(acc[r] + d) * splat(alpha[r]);
+      for (int64_t t = 0; t < kChunk; ++t) a += splat(p[r][t]) * load(vb + t * D + d);
+      store(acc[r] + d, a, kLanes);
+    }
+}
+
+// Register tiles for head sizes 64 and 128: rows x vectors of 6 x 4 and 3 x 8 (24 accumulators).
+template <int ND>
+void pv_tiles(int R, const float (*p)[kChunk], const float* alpha, const float* vb, float* const* acc) {
+  constexpr int RP = kPvVectors / ND;
+  int r = 0;
+  for (; r + RP <= R; r += RP) pv_rows<RP, ND>(p + r, alpha + r, vb, acc + r);
+  for (; r < R; ++r) pv_rows<1, ND>(p + r, alpha + r, vb, acc + r);
+}
+
+// R query rows x one chunk, online softmax. qt: the rows' queries, scaled and transposed (element d
+// of row r at qt[d * ldq + r]: one pointer serves every row's broadcast); kt: keys transposed
+// (D x kChunk), vb: values (kChunk x D); valid[r]: the row's visible tokens of the chunk;
+// acc/mx/l: the rows' running output, max and (per lane) sum.
 template <int R>
 void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float* kt, const float* vb, int64_t D,
                 float* const* acc, float* mx, v16f* l) {
