@@ -298,8 +298,7 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
               _mm256_store_ps(acc + g * D + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), a));
             mx[g] = nm;
           }
-          const v16f x = join(_mm256_sub_ps(sg, _mm256_set1_ps(nm)), neg_inf);
-          const __m256 e = _mm256_and_ps(low8(exp16(x)), vis);  // e^-inf = 0 past n as well
+          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sg, _mm256_set1_ps(nm))), vis);
           l[g] += hsum8(e);
           _mm256_store_ps(p[g], e);
         }

@@ -91,20 +91,32 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float* row = xp + r * ld;
+      float m = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      int64_t i = 0;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+      // GCC scalarizes the 64-byte compares and selects below on AVX2: two 8-lane chains instead
+      __m256 m0 = _mm256_set1_ps(m), m1 = m0, u0 = _mm256_setzero_ps(), u1 = u0;
+      for (; i + kLanes <= V; i += kLanes) {
+        const __m256 a = _mm256_loadu_ps(row + i), b = _mm256_loadu_ps(row + i + 8);
+        m0 = _mm256_max_ps(m0, a), m1 = _mm256_max_ps(m1, b);  // m is not used where a NaN is
+        u0 = _mm256_or_ps(u0, _mm256_cmp_ps(a, a, _CMP_UNORD_Q)), u1 = _mm256_or_ps(u1, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+      }
+      m = hmax8(_mm256_max_ps(m0, m1));
+      nan = _mm256_movemask_ps(_mm256_or_ps(u0, u1)) != 0;
+#else
       v16f vmax = v16f{} - std::numeric_limits<float>::infinity();
       v16si nans{};
-      int64_t i = 0;
       for (; i + kLanes <= V; i += kLanes) {
         const v16f v = load(row + i);
         vmax = v > vmax ? v : vmax;
         nans |= v != v;
       }
-      float m = vmax[0];
-      bool nan = false;
       for (int t = 0; t < kLanes; ++t) {
         m = std::max(m, vmax[t]);
         nan |= nans[t] != 0;
       }
+#endif
       for (; i < V; ++i) {
         nan |= std::isnan(row[i]);
         m = std::max(m, row[i]);

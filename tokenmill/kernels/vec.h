@@ -109,9 +109,27 @@ inline float hsum(v16f v) {
 #endif
 }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// exp16 below for 8 lanes, in intrinsics: GCC lowers the 64-byte vector extension's compares and
+// selects to scalar code on AVX2 (each lane through the stack), so the AVX2 build spells them out.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.f), _mm256_max_ps(_mm256_set1_ps(-87.f), x));  // NaN stays NaN
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x));
+  __m256 p = _mm256_set1_ps(1.3981999e-3f);
+  for (const float c : {8.3334519e-3f, 4.1665795e-2f, 1.6666666e-1f, 0.5f, 1.f, 1.f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 // e^x for 16 lanes: x = n ln2 + r, |r| <= ln2/2, e^r by a degree-6 polynomial (relative error
 // ~2e-7, as good as expf for softmax); x below -87 gives ~0, above 88 e^88.
 inline v16f exp16(v16f x) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  return join(exp8(low8(x)), exp8(high8(x)));
+#else
   const v16f lo = v16f{} - 87.f, hi = v16f{} + 88.f;
   x = x < lo ? lo : x;  // lane-wise select
   x = x > hi ? hi : x;  // e^88 ~ 1.7e38: past it the exponent bits would overflow
@@ -130,6 +148,7 @@ inline v16f exp16(v16f x) {
   v16f scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+#endif
 }
 
 }  // namespace tokenmill
