@@ -13,7 +13,7 @@ MODEL=${MODEL:-$($PY -c 'from tokenmill.utils import default_model_path; print(d
 LLAMA_VERSION=0.3.36
 mkdir -p "$PEERS" "$RESULTS"
 
-# ISA=native (default) builds llama.cpp for this CPU; ISA=avx2 | avx512 | avx512vnni builds it for that
+# ISA=native (default) builds llama.cpp for this CPU; ISA=avx2 | avxvnni | avx512 | avx512vnni builds it for that
 # instruction set only (GGML_NATIVE=OFF) and makes tokenmill use the same variant (TOKENMILL_CPU_ISA), so
 # an AVX2 comparison is like for like on any host. Each ISA has its own build folder.
 ISA=${ISA:-native}
@@ -30,6 +30,13 @@ case "$ISA" in
   *) echo "ISA must be native, avx2, avxvnni, avx512 or avx512vnni; got $ISA" >&2; exit 2 ;;
 esac
 [ "$ISA" = native ] || export TOKENMILL_CPU_ISA=$ISA
+# PyTorch's own kernels (transformers' whole model; tokenmill's SDPA and the rest) pinned to the same
+# instruction set: ATen's dispatch, MKL and oneDNN would otherwise use AVX-512 (or AMX) where the host has it
+case "$ISA" in
+  avx2) export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+  avxvnni) export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2_VNNI ;;
+  avx512 | avx512vnni) export ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI ;;
+esac
 LLAMA_BUILD=$PEERS/llama.cpp-build$([ "$ISA" = native ] || echo "-$ISA")
 SUFFIX=$([ "$ISA" = native ] || echo "-$ISA")  # results files of a pinned ISA: name-$ISA.jsonl
 

@@ -38,12 +38,12 @@ class ModelConfig:
     quantization_group_size: int = field(default=32, metadata=_help(
         "group size of int4 round-to-nearest quantization at load"))
     activation_bits: int = field(default=16, metadata=_help(
-        "16 | 8: on CPUs with AVX512-VNNI the int4/int8 kernels round each layer's input to integers per "
-        "32 values. 16: float32 accuracy (the dequantized float path's perplexity to 0.001 percent). 8 "
-        "(llama.cpp's Q8 arithmetic): products at batch ~1.6x faster, ~30 percent more batch throughput, "
-        "+0.23 percent perplexity on the default model, and near-tied greedy choices flip as they do in "
-        "llama.cpp (the default model then misnames the capital of France, as llama.cpp's server does). The "
-        "output head always uses 16. Ignored elsewhere (float32 products)"))
+        "16 | 8: the CPU int4/int8 kernels round each layer's input to integers per 32 values. 16: float32 "
+        "accuracy (the dequantized float path's perplexity). 8 (llama.cpp's Q8 arithmetic): half the integer "
+        "products per weight, so batches and prompts run faster, for a small perplexity cost, and near-tied "
+        "greedy choices flip as they do in llama.cpp (the default model then misnames the capital of France, "
+        "as llama.cpp's server does). benchmarks/RESULTS.md has the figures. The output head always uses 16. "
+        "Ignored off the CPU kernels"))
     keep_float_weights: bool = field(default=False, metadata=_help(
         "also keep float copies of quantized weights and use them for steps of more than 32 tokens "
         "(prefill chunks, large batches); costs the float model's memory. Worth it only where the float "

@@ -102,6 +102,45 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
+#if defined(__AVX2__)
+// The work items of the grouped decode kernels below: (sequence b, KV head h), the G query heads
+// sharing h together. Owns the shapes, the checks and where a position's K/V row lies.
+template <typename T>
+struct DecodeItems {
+  const float* q;
+  const T *k, *v;
+  const int64_t *tables, *lens;
+  float* out;
+  int64_t B, Hq, D, Hkv, num_blocks, bs, W, q_stride, row, lines;
+
+  DecodeItems(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
+              const at::Tensor& context_lens, at::Tensor& out_)
+      : q(q_.data_ptr<float>()), k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()),
+        tables(block_tables.data_ptr<int64_t>()), lens(context_lens.data_ptr<int64_t>()), out(out_.data_ptr<float>()),
+        B(q_.size(0)), Hq(q_.size(1)), D(q_.size(2)), Hkv(k_cache.size(2)), num_blocks(k_cache.size(0)),
+        bs(k_cache.size(1)), W(block_tables.size(1)), q_stride(q_.stride(0)), row(Hkv * D),
+        lines((D * static_cast<int64_t>(sizeof(T)) + 63) / 64) {}
+
+  int64_t len(int64_t b) const {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs, "context length out of range");
+    return lens[b];
+  }
+  // the first of the item's G query rows (rows may be strided: a view into qkv)
+  const float* query(int64_t b, int64_t h, int G) const { return q + b * q_stride + h * G * D; }
+  float* output(int64_t b, int64_t h, int G) const { return out + (b * Hq + h * G) * D; }
+  // where position pos's K (and V) row for head h starts in the caches
+  int64_t offset(int64_t b, int64_t h, int64_t pos) const {
+    const int64_t blk = tables[b * W + pos / bs];
+    TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
+    return (blk * bs + pos % bs) * row + h * D;
+  }
+  void prefetch(int64_t off) const {
+    const char *kn = reinterpret_cast<const char*>(k + off), *vn = reinterpret_cast<const char*>(v + off);
+    for (int64_t c = 0; c < lines; ++c) _mm_prefetch(kn + 64 * c, _MM_HINT_T0), _mm_prefetch(vn + 64 * c, _MM_HINT_T0);
+  }
+};
+#endif
+
 #if defined(__AVX512F__)
 // 16 vectors -> one: lane t = the sum of v[t]'s lanes. A transpose-and-add tree (45 shuffles and
 // adds) instead of 16 horizontal sums (~8 each).
@@ -129,44 +168,26 @@ template <typename T, int G>
 void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
                             at::Tensor& out) {
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), C = D / kLanes;
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  const int64_t row = Hkv * D, lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const float* qp = q.data_ptr<float>();
-  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
-  const int64_t *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, out);
+  const int64_t D = it.D, C = D / kLanes, bs = it.bs, row = it.row;
   const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, it.B * it.Hkv, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[G * kMaxHeadDim];
     alignas(64) float p[G][kLanes];
     __m512 part[G][kLanes];
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv, len = lp[b];
-      TORCH_CHECK(len >= 1 && len <= W * bs, "context length out of range");
-      const float* qh = qp + b * q.stride(0) + h * G * D;  // rows may be strided (a view into qkv)
+      const int64_t b = item / it.Hkv, h = item % it.Hkv, len = it.len(b);
+      const float* qh = it.query(b, h, G);
       std::fill(acc, acc + G * D, 0.f);
       float mx[G], l[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-      auto offset_at = [&](int64_t pos) {  // of position pos's K (and V) row for head h in the caches
-        const int64_t blk = tp[b * W + pos / bs];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-        return (blk * bs + pos % bs) * row + h * D;
-      };
-      int64_t at = offset_at(0), next_at = 0;
+      int64_t at = it.offset(b, h, 0), next_at = 0;
       for (int64_t pos = 0; pos < len; pos += std::min(bs, kLanes), at = next_at) {  // 16-token chunks of blocks
         const int64_t n = std::min({bs - pos % bs, kLanes, len - pos}), next = pos + n;
-        const T *kb = kp + at, *vb = vp + at;
-        if (next < len) {
-          const int64_t nn = std::min({bs - next % bs, kLanes, len - next});
-          next_at = offset_at(next);
-          const char* kn = reinterpret_cast<const char*>(kp + next_at);
-          const char* vn = reinterpret_cast<const char*>(vp + next_at);
-          for (int64_t t = 0; t < nn; ++t)
-            for (int64_t c = 0; c < lines; ++c) {
-              _mm_prefetch(kn + (t * row * static_cast<int64_t>(sizeof(T))) + 64 * c, _MM_HINT_T0);
-              _mm_prefetch(vn + (t * row * static_cast<int64_t>(sizeof(T))) + 64 * c, _MM_HINT_T0);
-            }
+        const T *kb = it.k + at, *vb = it.v + at;
+        if (next < len) {  // the next chunk's rows
+          next_at = it.offset(b, h, next);
+          for (int64_t t = 0, nn = std::min({bs - next % bs, kLanes, len - next}); t < nn; ++t) it.prefetch(next_at + t * row);
         }
         for (int64_t t = 0; t < kLanes; ++t) {
           if (t >= n) {
@@ -209,7 +230,7 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       for (int g = 0; g < G; ++g) {
         const __m512 inv = _mm512_set1_ps(1.f / l[g]);
-        float* o = op + (b * Hq + h * G + g) * D;
+        float* o = it.output(b, h, G) + g * D;
         for (int64_t c = 0; c < C; ++c)
           _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(_mm512_load_ps(acc + g * D + c * kLanes), inv));
       }
@@ -239,40 +260,25 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
   // a DRAM miss, and prefetching only the next chunk left the K loads stalling (perf: a third of
   // the kernel's samples on the instruction after vcvtph2ps)
   constexpr int64_t kTok = 8, kAhead = 16;
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), C = D / 8;
-  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  const int64_t row = Hkv * D, lines = (D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-  const float* qp = q.data_ptr<float>();
-  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
-  const int64_t *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, out);
+  const int64_t D = it.D, C = D / 8, bs = it.bs, row = it.row;
   const __m256 lane = _mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, it.B * it.Hkv, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float acc[G * kMaxHeadDim];
     alignas(32) float p[G][kTok];
     __m256 part[G][kTok];
     for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv, len = lp[b];
-      TORCH_CHECK(len >= 1 && len <= W * bs, "context length out of range");
-      const float* qh = qp + b * q.stride(0) + h * G * D;  // rows may be strided (a view into qkv)
+      const int64_t b = item / it.Hkv, h = item % it.Hkv, len = it.len(b);
+      const float* qh = it.query(b, h, G);
       std::fill(acc, acc + G * D, 0.f);
       float mx[G], l[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-      auto offset_at = [&](int64_t pos) {  // of position pos's K (and V) row for head h in the caches
-        const int64_t blk = tp[b * W + pos / bs];
-        TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-        return (blk * bs + pos % bs) * row + h * D;
-      };
-      int64_t at = offset_at(0), next_at = 0;
+      int64_t at = it.offset(b, h, 0), next_at = 0;
       for (int64_t pos = 0; pos < len; pos += std::min(bs - pos % bs, kTok), at = next_at) {
         const int64_t n = std::min({bs - pos % bs, kTok, len - pos}), next = pos + n;
-        const T *kb = kp + at, *vb = vp + at;
-        if (next < len) next_at = offset_at(next);
-        for (int64_t t = pos + kAhead; t < std::min(next + kAhead, len); ++t) {  // rows kAhead tokens on
-          const int64_t off = offset_at(t);
-          const char *kn = reinterpret_cast<const char*>(kp + off), *vn = reinterpret_cast<const char*>(vp + off);
-          for (int64_t c = 0; c < lines; ++c) _mm_prefetch(kn + 64 * c, _MM_HINT_T0), _mm_prefetch(vn + 64 * c, _MM_HINT_T0);
-        }
+        const T *kb = it.k + at, *vb = it.v + at;
+        if (next < len) next_at = it.offset(b, h, next);
+        for (int64_t t = pos + kAhead; t < std::min(next + kAhead, len); ++t) it.prefetch(it.offset(b, h, t));  // kAhead on
         for (int64_t t = 0; t < kTok; ++t) {
           if (t >= n) {
             for (int g = 0; g < G; ++g) part[g][t] = _mm256_setzero_ps();
@@ -314,7 +320,7 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
       for (int g = 0; g < G; ++g) {
         const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-        float* o = op + (b * Hq + h * G + g) * D;
+        float* o = it.output(b, h, G) + g * D;
         for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(o + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv));
       }
     }
