@@ -201,23 +201,44 @@ struct QuantizedX {
 
 enum XForm { kHalves = 0, kInt16 = 1 };
 
-// One block of 32 inputs -> its 32 integers (rounded to nearest even) and its scale.
-inline float quantize_block(const float* x, float qmax, int32_t* q) {
-#if defined(TOKENMILL_DOT512)
-  const __m512 a = _mm512_loadu_ps(x), c = _mm512_loadu_ps(x + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-  const __m512 inv = _mm512_set1_ps(amax > 0.f ? qmax / amax : 0.f);
-  _mm512_storeu_si512(q, _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
-  _mm512_storeu_si512(q + 16, _mm512_cvtps_epi32(_mm512_mul_ps(c, inv)));
-#else
+// 32 int32 lanes (4 vectors) -> 32 int8 / 16 int16 in order. The packs work per 128-bit lane, so
+// the results come interleaved by lane and one permute puts them back. Values fit: no saturation.
+inline __m256i pack8(const __m256i* q) {
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline __m256i pack16(__m256i a, __m256i b) { return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8); }
+
+// One block of 32 inputs -> its integers (rounded to nearest even) in the layout the tiles read,
+// their sum and the block's scale. In vector registers throughout: at prompt sizes a scalar split
+// into halves cost about a tenth of the int4 product's time.
+inline float quantize_block(const float* x, float qmax, XForm form, bool wide, int8_t* h, int8_t* l, int16_t* x16,
+                            int32_t* sum) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], m = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i), m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
   const float amax = hmax8(m);
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? qmax / amax : 0.f);
-  for (int i = 0; i < 4; ++i)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
-#endif
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  *sum = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+  if (form == kInt16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16), pack16(q[0], q[1]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x16 + 16), pack16(q[2], q[3]));
+  } else if (!wide) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), pack8(q));
+  } else {  // q = 256 hi + lo, hi = floor((q + 128) / 256): lo in [-128, 127]
+    __m256i hi[4], lo[4];
+    for (int i = 0; i < 4; ++i) {
+      hi[i] = _mm256_srai_epi32(_mm256_add_epi32(q[i], _mm256_set1_epi32(128)), 8);
+      lo[i] = _mm256_sub_epi32(q[i], _mm256_slli_epi32(hi[i], 8));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(h), pack8(hi));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(l), pack8(lo));
+  }
   return amax / qmax;
 }
 
@@ -230,25 +251,12 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, bool 
                std::vector<int16_t>(halves ? 0 : M * K), std::vector<float>(M * nb), std::vector<float>(M * ng),
                std::vector<int32_t>(M * nb)};
   at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {
-    alignas(64) int32_t q[32];
     for (int64_t i = r0; i < r1; ++i) {
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t off = i * K + b * 32;
-        r.d[i * nb + b] = quantize_block(x + off, qmax, q);
-        int32_t sum = 0;
-        for (int j = 0; j < 32; ++j) sum += q[j];
-        r.qsum[i * nb + b] = sum;
-        if (!halves) {
-          for (int j = 0; j < 32; ++j) r.x16[off + j] = static_cast<int16_t>(q[j]);
-        } else if (!wide) {
-          for (int j = 0; j < 32; ++j) r.h[off + j] = static_cast<int8_t>(q[j]);
-        } else {
-          for (int j = 0; j < 32; ++j) {
-            const int32_t hi = (q[j] + 128) >> 8;  // floor: lo = q - 256 hi in [-128, 127]
-            r.h[off + j] = static_cast<int8_t>(hi);
-            r.l[off + j] = static_cast<int8_t>(q[j] - (hi << 8));
-          }
-        }
+        r.d[i * nb + b] = quantize_block(x + off, qmax, form, wide, halves ? r.h.data() + off : nullptr,
+                                         halves && wide ? r.l.data() + off : nullptr,
+                                         halves ? nullptr : r.x16.data() + off, &r.qsum[i * nb + b]);
       }
       for (int64_t g = 0; g < ng; ++g) {  // the rounded x's sum: the error of q.x and m.x then cancel
         float acc = 0.f;
@@ -268,6 +276,9 @@ constexpr int64_t kPrefetch = 4096;
 
 inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
 
+// The dot tiles below are kept out of line (noinline): inlined, all six row counts of a tile land in
+// one dispatch function whose register allocation spills the accumulators (an int4 product at 256
+// rows ~10 % slower on AVX-512 and AVX2 alike, kernel_bench.py).
 // The tiles read x through raw pointers at their first row: through the vectors, the compiler
 // reloads their data pointers around every int8 load (int8_t may alias anything) -- ~1.4x slower.
 struct XRows {
@@ -300,7 +311,7 @@ constexpr int kDot8Rows = 5, kDot16Rows = 3, kDotPanels = 2;
 
 // int4: per (row, panel) an int32 chain of weights times h and, for 16-bit x (W), one times l.
 template <int MT, int NP, bool W>
-void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
+__attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
                    int64_t ldy, int nvalid_last) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32, qstride = K * 8, sstride = ng * kLanes;
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -351,7 +362,7 @@ void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at
 
 // int8: (q + 128) . xq - 128 sum(xq) per block of 32, scaled per output row at the end.
 template <int MT, int NP, bool W>
-void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid_last) {
+__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid_last) {
   const int64_t nb = K / 32, qstride = K * kLanes;
   v16f acc[MT][NP];
   for (int r = 0; r < MT; ++r)
@@ -430,7 +441,7 @@ inline void store8(float* p, __m256 v, int n) {
 }
 
 template <int MT, int NU, bool W>
-void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
+__attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
                    int64_t ldy, int nvalid) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32;
   const __m256i low = _mm256_set1_epi8(0x0F);
@@ -484,7 +495,7 @@ void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at
 // int8: the 64 bytes of an input quad hold 4 outputs per 16 bytes, widened to 16 int16 lanes
 // (output, input) whose VPMADDWD with x's 4 inputs leaves 2 int32 lanes per output.
 template <int MT, int NU, bool W>
-void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid) {
+__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid) {
   const int64_t nb = K / 32;
   for (int u0 = 0; u0 < 2; u0 += NU) {
     __m256 acc[MT][NU];
