@@ -277,8 +277,8 @@ constexpr int64_t kPrefetch = 4096;
 inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
 
 // The dot tiles below are kept out of line (noinline): inlined, all six row counts of a tile land in
-// one dispatch function whose register allocation spills the accumulators (an int4 product at 256
-// rows ~10 % slower on AVX-512 and AVX2 alike, kernel_bench.py).
+// one dispatch function whose register allocation spills the accumulators to the stack, on AVX-512
+// and AVX2 alike (benchmarks/RESULTS.md has the before and after).
 // The tiles read x through raw pointers at their first row: through the vectors, the compiler
 // reloads their data pointers around every int8 load (int8_t may alias anything) -- ~1.4x slower.
 struct XRows {
