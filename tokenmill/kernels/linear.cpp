@@ -539,10 +539,11 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* 
 // Tiles (rows x halves): one half at a time keeps a tile's integer and float accumulators, the
 // unpacked nibbles and the broadcasts within the 16 ymm registers (3 x 2 at 16 bits spills). Swept
 // over 2-6 rows x 1-2 halves, 16 and 256 rows of SmolLM2's 3072x576 and 576x1536, AVX2 build on a
-// Xeon (Zen 2 sweeps were too noisy to rank): 16-bit int4 4 x 1 (3 x 1 close, 3 x 2 last), 8-bit 5 x 1;
-// int8 (the output head) 4 x 1 over 2, 3 and 5 rows.
+// Xeon (Zen 2 sweeps were too noisy to rank): 16-bit int4 4 x 1 (3 x 1 close, 3 x 2 last); 8-bit 6 x 1
+// (5 x 1 led one sweep, 6 won the kernel_bench pairs at 16-256 rows); int8 (the output head) 4 x 1
+// over 2, 3 and 5 rows.
 constexpr int kDotPanels = 1;
-constexpr int kInt4Rows8 = 5, kInt4Rows16 = 4, kInt8Rows8 = 4, kInt8Rows16 = 4;
+constexpr int kInt4Rows8 = 6, kInt4Rows16 = 4, kInt8Rows8 = 4, kInt8Rows16 = 4;
 constexpr int kInt4Halves8 = 1, kInt4Halves16 = 1, kInt8Halves = 1;
 constexpr XForm kInt8X = kInt16;
 #endif
