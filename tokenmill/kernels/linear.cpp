@@ -403,7 +403,6 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* 
 }
 
 constexpr int kInt4Rows8 = kDot8Rows, kInt4Rows16 = kDot16Rows, kInt8Rows8 = kDot8Rows, kInt8Rows16 = kDot16Rows;
-constexpr int kInt4Halves8 = 2, kInt4Halves16 = 2, kInt8Halves = 2;  // unused: whole 512-bit panels
 constexpr XForm kInt8X = kHalves;
 #else
 // AVX2 (and AVX-VNNI): the same byte layouts, read as two 8-output halves of 32 bytes per panel
@@ -544,12 +543,11 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* 
 // over 2, 3 and 5 rows.
 constexpr int kDotPanels = 1;
 constexpr int kInt4Rows8 = 6, kInt4Rows16 = 4, kInt8Rows8 = 4, kInt8Rows16 = 4;
-constexpr int kInt4Halves8 = 1, kInt4Halves16 = 1, kInt8Halves = 1;
 constexpr XForm kInt8X = kInt16;
 #endif
 
-// Tile<MT, NP>::run(args...) picked at run time for rows <= 6; NP: 512-bit panels per tile, or
-// 256-bit halves processed together.
+// Tile<MT, NP>::run(args...) picked at run time for rows <= 6; NP: 512-bit panels per tile (AVX-512),
+// 256-bit halves processed together (AVX2: one, the sweep's pick).
 #define DOT_TILE_ADAPTER(Name, ...)                 \
   template <int MT, int NP>                         \
   struct Name {                                     \
@@ -574,19 +572,12 @@ void dispatch_dot_rows(int rows, Args... args) {
   }
 }
 
-#if defined(TOKENMILL_DOT512)
+// np: the tile's panels, kDotPanels but for a partial last group (on AVX2 kDotPanels is 1: one path)
 template <template <int, int> class Tile, typename... Args>
-void dispatch_dot(int rows, int np, int /*halves*/, Args... args) {
+void dispatch_dot(int rows, int np, Args... args) {
   if (np == kDotPanels) dispatch_dot_rows<Tile, kDotPanels>(rows, args...);
   else dispatch_dot_rows<Tile, 1>(rows, args...);
 }
-#else
-template <template <int, int> class Tile, typename... Args>
-void dispatch_dot(int rows, int /*np*/, int halves, Args... args) {
-  if (halves == 2) dispatch_dot_rows<Tile, 2>(rows, args...);
-  else dispatch_dot_rows<Tile, 1>(rows, args...);
-}
-#endif
 
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
@@ -608,14 +599,14 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const at::Half *sp = s.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   float* yp = y.data_ptr<float>();
-  const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8, halves = bits == 16 ? kInt4Halves16 : kInt4Halves8;
+  const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const uint8_t* qt = qp + p * K * 8;
     const at::Half *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
     float* yt = yp + r * N + p * kLanes;
-    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, halves, xr, K, group, qt, st, mt, yt, N, nvalid);
-    else dispatch_dot<Int4Dot8Tile>(rows, np, halves, xr, K, group, qt, st, mt, yt, N, nvalid);
+    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, xr, K, group, qt, st, mt, yt, N, nvalid);
+    else dispatch_dot<Int4Dot8Tile>(rows, np, xr, K, group, qt, st, mt, yt, N, nvalid);
   });
   return y;
 }
@@ -636,13 +627,13 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int tile = bits == 16 ? kInt8Rows16 : kInt8Rows8, halves = kInt8Halves;
+  const int tile = bits == 16 ? kInt8Rows16 : kInt8Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, 0);
     const uint8_t* qt = qp + p * K * kLanes;
     float* yt = yp + r * N + p * kLanes;
-    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, halves, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
-    else dispatch_dot<Int8Dot8Tile>(rows, np, halves, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
+    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
+    else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
   });
   return y;
 }
