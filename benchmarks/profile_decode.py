@@ -21,10 +21,12 @@ ap.add_argument("--steps", type=int, default=20)
 ap.add_argument("--chunk", type=int, default=0, help="a new prompt of this many tokens in every measured step")
 ap.add_argument("--quantization", default="auto")
 ap.add_argument("--kv-cache-dtype", default="auto")
+ap.add_argument("--activation-bits", type=int, default=16)
 ap.add_argument("--no-profile", action="store_true", help="time the steps only")
 a = ap.parse_args()
 
-llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype)
+llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+          activation_bits=a.activation_bits)
 engine = llm.engine
 for i in range(a.batch):
     engine.add_request(f"r{i}", [100 + (i + j) % 40000 for j in range(a.prompt)],

@@ -147,6 +147,22 @@ def test_default_model_runs_quantized_and_stays_close(default_model, activation_
     assert kl < 0.05, kl
 
 
+def test_auto_activation_bits_follow_the_kernel_variant(tiny_llama):
+    """auto: 8-bit activations on the AVX2 variants (avx2, avxvnni), 16 on the AVX-512 ones and
+    wherever the kernels do not run; an explicit width always wins."""
+    from tokenmill.models import loader
+
+    want = {"avx2": 8, "avxvnni": 8, "avx512": 16, "avx512vnni": 16, None: 16}[kernels.isa() if kernels.available() else None]
+    assert kernels.auto_activation_bits() == want
+    for asked, expect in (("auto", want), (16, 16), (8, 8)):
+        m = loader.load(tiny_llama, "float32", torch.device("cpu"), load_tokenizer=False, quantization="int4",
+                        activation_bits=asked)
+        assert m.activation_bits == expect
+        panels = m.model.model.layers[0].mlp.down_proj.qweight.panels
+        if panels is not None:
+            assert panels.act_bits == expect
+
+
 def test_keep_float_serves_large_batches_from_the_float_weight(backend):
     from tokenmill.layers.linear import FLOAT_MIN_ROWS
 

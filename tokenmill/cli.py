@@ -132,7 +132,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys), metrics)
     from tokenmill import kernels
 
-    cpu = f", CPU kernels {kernels.isa() or 'PyTorch'}" if engine.device.type == "cpu" else ""
+    cpu = ""
+    if engine.device.type == "cpu":
+        cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations)" if kernels.isa() else \
+            ", CPU kernels PyTorch"
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
@@ -194,6 +197,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result["model"] = engine.model_path
     result["threads"] = __import__("torch").get_num_threads()
     result["cpu_kernels"] = kernels.isa() or "pytorch"  # the ISA variant that ran, or PyTorch's kernels
+    result["activation_bits"] = engine.activation_bits
     _emit(result, args.output_json)
     return 0
 
@@ -220,7 +224,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     result = perplexity(loaded.model, ids, args.context_len, args.stride)
     result.update(model=model_path, data=os.path.abspath(data), quantization=args.quantization,
-                  activation_bits=args.activation_bits)
+                  activation_bits=loaded.activation_bits)
     _emit(result, args.output_json)
     return 0
 
@@ -337,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--device", default="auto")
     pp.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 | awq | gptq (as for serving)")
     pp.add_argument("--quantization-group-size", type=int, default=32)
-    pp.add_argument("--activation-bits", type=int, default=16, help="16 | 8 (as for serving)")
+    pp.add_argument("--activation-bits", default="auto", type=lambda v: v if v == "auto" else int(v),
+                    help="auto | 16 | 8 (as for serving)")
     pp.add_argument("--output-json", default=None)
     pp.set_defaults(func=cmd_eval)
 

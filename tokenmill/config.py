@@ -37,21 +37,25 @@ class ModelConfig:
         "none: everything dequantized to float (CPU only; other devices always use float)"))
     quantization_group_size: int = field(default=32, metadata=_help(
         "group size of int4 round-to-nearest quantization at load"))
-    activation_bits: int = field(default=16, metadata=_help(
-        "16 | 8: the CPU int4/int8 kernels round each layer's input to integers per 32 values. 16: float32 "
-        "accuracy (the dequantized float path's perplexity). 8 (llama.cpp's Q8 arithmetic): half the integer "
-        "products per weight, so batches and prompts run faster, for a small perplexity cost, and near-tied "
-        "greedy choices flip as they do in llama.cpp (the default model then misnames the capital of France, "
-        "as llama.cpp's server does). benchmarks/RESULTS.md has the figures. The output head always uses 16. "
-        "Ignored off the CPU kernels"))
+    activation_bits: int | str = field(default="auto", metadata=_help(
+        "auto | 16 | 8: the CPU int4/int8 kernels round each layer's input to integers per 32 values. 16: "
+        "float32 accuracy (the dequantized float path's perplexity). 8 (llama.cpp's Q8 arithmetic): half the "
+        "integer products per weight, so batches and prompts run faster, for a small perplexity cost, and "
+        "near-tied greedy choices flip as they do in llama.cpp (the default model then misnames the capital "
+        "of France, as llama.cpp's server does). auto (default): 16 on the AVX-512 kernel variants, 8 on the "
+        "AVX2 ones (avx2, avxvnni), where 16 costs twice the integer work. benchmarks/RESULTS.md has the "
+        "figures. The output head always uses 16. Ignored off the CPU kernels"))
     keep_float_weights: bool = field(default=False, metadata=_help(
         "also keep float copies of quantized weights and use them for steps of more than 32 tokens "
         "(prefill chunks, large batches); costs the float model's memory. Worth it only where the float "
         "GEMM beats the int4/int8 kernels (benchmarks/kernel_bench.py); with AVX512-VNNI it does not"))
 
     def __post_init__(self) -> None:
-        if self.activation_bits not in (8, 16):
-            raise ValueError(f"activation_bits must be 8 or 16, got {self.activation_bits}.")
+        bits = self.activation_bits
+        if isinstance(bits, str) and bits.strip() in ("8", "16"):  # from the command line
+            object.__setattr__(self, "activation_bits", bits := int(bits))
+        if bits != "auto" and (isinstance(bits, bool) or bits not in (8, 16)):
+            raise ValueError(f"activation_bits must be auto, 8 or 16, got {bits!r}.")
         if self.threads is not None and (isinstance(self.threads, bool) or self.threads < 1):
             raise ValueError(f"threads must be a positive number of CPU threads, got {self.threads}.")
 

@@ -125,17 +125,25 @@ class AsyncEngine:
                 self._dead = e
                 return
             self._engine_waiting = len(engine.scheduler.waiting)
-            for out in outputs:
-                target = self._streams.get(out.request_id)
-                if target is None:
-                    continue
-                loop, out_q = target
-                loop.call_soon_threadsafe(out_q.put_nowait, out)
-                if out.finished:
-                    del self._streams[out.request_id]
+            self._deliver(outputs)
             if self.stat_logger is not None:
                 self.stat_logger(engine.last_stats)
         self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops, one wake-up per loop and step: a call per
+        output would write to the loop's self-pipe and wake it once per stream."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            loop, out_q = target
+            batches.setdefault(loop, []).append((out_q, out))
+            if out.finished:
+                del self._streams[out.request_id]
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _drain_commands(self) -> None:
         while True:
@@ -170,3 +178,8 @@ class AsyncEngine:
         for loop, out_q in self._streams.values():
             loop.call_soon_threadsafe(out_q.put_nowait, err)
         self._streams.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for out_q, out in items:
+        out_q.put_nowait(out)

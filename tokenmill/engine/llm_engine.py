@@ -68,6 +68,7 @@ class LLMEngine:
                              quantization=mc.quantization, group_size=mc.quantization_group_size,
                              keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
+        self.activation_bits = loaded.activation_bits
         self.dtype = next(loaded.model.parameters()).dtype
 
         limit = min(self.arch.max_position_embeddings, self.arch.sliding_window or math.inf)

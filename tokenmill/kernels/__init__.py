@@ -77,6 +77,16 @@ def isa() -> str | None:
     return str(_state["isa"]) if _state.get("loaded") else None
 
 
+def auto_activation_bits() -> int:
+    """What `activation_bits="auto"` means on the loaded variant. 16 on the AVX-512 variants: their
+    512-bit integer products make 16-bit activations (float32-level accuracy) fast enough. 8 on the
+    256-bit ones (avx2, avxvnni): there a 16-bit activation costs two integer products per weight,
+    twice llama.cpp's Q8 arithmetic, and the 8-bit path (llama.cpp's own) is what competes with it.
+    16 where the kernels are not loaded (ignored there)."""
+    variant = isa()
+    return 8 if variant in ("avx2", "avxvnni") else 16
+
+
 def dot_layout() -> bool:
     """True where the kernels multiply in integers (every variant: VPDPBUSD on AVX512-VNNI and
     AVX-VNNI, VPMADDUBSW/VPMADDWD on AVX2): weights then use the dot layout and activations are

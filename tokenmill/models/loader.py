@@ -27,22 +27,26 @@ class LoadedModel:
     model: CausalLM
     arch: ArchConfig
     tokenizer: Tokenizer | None
+    activation_bits: int = 16  # what the CPU int kernels round inputs to, "auto" resolved
 
 
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
          quantization: str = "auto", group_size: int = 32, keep_float: bool = False,
-         activation_bits: int = 16) -> LoadedModel:
+         activation_bits: int | str = "auto") -> LoadedModel:
     """`quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
     checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels run on
     CPU; on other devices weights stay in the model dtype. `activation_bits`: see ModelConfig."""
     if quantization not in QUANT_POLICIES:
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
-    if activation_bits not in kernels.ACT_BITS:
-        raise ValueError(f"activation_bits must be 8 or 16, got {activation_bits}.")
+    if activation_bits != "auto" and activation_bits not in kernels.ACT_BITS:
+        raise ValueError(f"activation_bits must be auto, 8 or 16, got {activation_bits!r}.")
     loaded = _load(path, dtype, device, load_tokenizer, quantization)
     if device.type != "cpu":
         quantization = "none"
+    if activation_bits == "auto":
+        activation_bits = kernels.auto_activation_bits() if device.type == "cpu" and kernels.available() else 16
     loaded.model.quantize(quantization, group_size, keep_float, activation_bits)
+    loaded.activation_bits = activation_bits
     return loaded
 
 
