@@ -128,7 +128,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
     names = args.served_model_name or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
-    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len)
+    server: list[uvicorn.Server] = []
+
+    def stop_serving(_: BaseException) -> None:  # the engine died: uvicorn drains and the process exits 1
+        if server:
+            server[0].should_exit = True
+
+    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len, on_dead=stop_serving)
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys), metrics)
     from tokenmill import kernels
 
@@ -139,11 +145,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
+    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                                timeout_graceful_shutdown=args.graceful_shutdown_timeout)))
+    if client.dead is not None:  # it died before uvicorn existed to be told
+        server[0].should_exit = True
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                    timeout_graceful_shutdown=args.graceful_shutdown_timeout)
+        server[0].run()
     finally:
         client.shutdown()
+    if client.dead is not None:
+        print("tokenmill: the engine stopped after an internal error (see the log above); exiting with status 1",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

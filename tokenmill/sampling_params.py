@@ -6,7 +6,14 @@ request ever reaches the engine.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this sample greedily: logits / T overflows float32 for tiny T (1e-40 gave NaN and
+# token 0), and below vLLM's own floor of 0.01 sampling is greedy in all but name anyway.
+MIN_TEMPERATURE = 1e-2
+MAX_N = 128             # OpenAI's limit on parallel samples per request
+SEED_RANGE = (-2**63, 2**63 - 1)  # what a torch.Generator takes, for the parent's seed and each child's
 
 
 @dataclass
@@ -41,18 +48,29 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "must be an integer >= 1")
+        def integer(name: str) -> bool:
+            value = getattr(self, name)
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        # NaN and infinities pass Python's JSON parser and every `<` test: each float must be finite
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        if not integer("n") or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be an integer in [1, {MAX_N}]")
         if self.temperature < 0.0:
-            raise bad("temperature", "must be >= 0 (0 means greedy)")
+            raise bad("temperature", "must be >= 0 (0, and anything below 0.01, means greedy)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not integer("top_k") or self.top_k < 0:
             raise bad("top_k", "must be -1/0 (disabled) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]")
@@ -62,19 +80,22 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not integer("max_tokens") or self.max_tokens < 1):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not integer("min_tokens") or self.min_tokens < 0:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not integer("logprobs") or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None:
+            lo, hi = SEED_RANGE
+            if not integer("seed") or not lo <= self.seed <= hi - (self.n - 1):  # child i takes seed + i
+                raise bad("seed", f"must be an integer in [{lo}, {hi}]" + (f" minus n - 1 = {self.n - 1}"
+                                                                            if self.n > 1 else ""))
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
 
     @property

@@ -35,6 +35,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # set with finish_reason "error": why this request failed
         self.eos_token_ids = eos_token_ids
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] = []  # filled by the engine when params.logprobs is set

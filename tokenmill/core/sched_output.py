@@ -31,6 +31,8 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     """Per sampled request: its new token, and (when asked for) that token's logprob, its rank,
-    and the top-k alternatives as (token_id, logprob) pairs, best first."""
+    and the top-k alternatives as (token_id, logprob) pairs, best first. Or, for a fault that
+    belongs to one request (non-finite logits, a sampling error), no token and the reason."""
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # req_id -> why this request's step failed

@@ -155,11 +155,17 @@ class Scheduler:
     # ----------------------------------------------------------------- after the forward pass
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
         """Advances progress, appends sampled tokens, finishes requests that hit EOS / stop ids /
-        length. Returns the requests that were given a new token this step."""
+        length, and those whose step failed (finish_reason "error"). Returns the requests that
+        were given a new token this step, and the failed ones."""
         advanced = []
         for entry in sched.scheduled:
             req = self.requests.get(entry.req_id)
             if req is None:  # aborted while the step ran
+                continue
+            if entry.req_id in result.failed:  # its KV of this step is suspect: never cached
+                req.error = result.failed[entry.req_id]
+                self.finish_request(req.req_id, "error")
+                advanced.append(req)
                 continue
             req.num_computed_tokens += len(entry.token_ids)
             self.block_manager.cache_full_blocks(req)

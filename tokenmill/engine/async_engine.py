@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed on its own (non-finite logits, a sampling error); the engine serves on."""
+
+
 class EngineClient(Protocol):
     """What the server needs of an engine, wherever the engine runs."""
     tokenizer: object
@@ -43,15 +47,22 @@ class EngineClient(Protocol):
 
     def abort(self, req_id: str) -> None: ...
 
+    @property
+    def dead(self) -> BaseException | None:
+        """The error that stopped the engine, or None while it serves."""
+
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, stat_logger: Callable[[StepStats], None] | None = None,
-                 max_queue_len: int | None = None) -> None:
+                 max_queue_len: int | None = None, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        """`on_dead`: called (on the engine thread) once a step fails beyond one request, after every
+        in-flight request has been failed; the server uses it to exit non-zero."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.stat_logger = stat_logger
         self.max_queue_len = max_queue_len
+        self.on_dead = on_dead
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -67,7 +78,7 @@ class AsyncEngine:
     async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
                        priority: int = 0) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
-            raise EngineDeadError(f"the engine has stopped after an error: {self._dead}")
+            raise EngineDeadError("the engine has stopped after an internal error")
         with self._lock:
             waiting = self.num_waiting
             if self.max_queue_len is not None and waiting >= self.max_queue_len:
@@ -86,6 +97,9 @@ class AsyncEngine:
                 item = await out_q.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.error is not None:
+                    finished = True
+                    raise RequestFailedError(item.error)
                 finished = item.finished
                 yield item
                 if finished:
@@ -98,6 +112,10 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine thread plus the scheduler's queue."""
         return self._pending_adds + self._engine_waiting
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self._dead
 
     def abort(self, req_id: str) -> None:
         self._cmds.put(("abort", req_id))
@@ -120,9 +138,11 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - a broken step must fail requests, not hang them
-                log.exception("engine step failed")
-                self._fail_all(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"))
+                log.exception("engine step failed; the engine stops")
                 self._dead = e
+                self._fail_all(EngineDeadError("the engine has stopped after an internal error"))
+                if self.on_dead is not None:
+                    self.on_dead(e)
                 return
             self._engine_waiting = len(engine.scheduler.waiting)
             self._deliver(outputs)

@@ -47,7 +47,7 @@ class LLM:
         prompts = []
         for conv in convs:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                           **(chat_template_kwargs or {}))
+                                           template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 

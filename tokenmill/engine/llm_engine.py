@@ -52,6 +52,7 @@ class _Parent:
     children: list[Request]
     detoks: list[DetokState | None]
     outputs: list[CompletionOutput]
+    error: str | None = None
 
 
 class LLMEngine:
@@ -100,6 +101,10 @@ class LLMEngine:
             raise ValueError(f"request id {req_id!r} is already in use.")
         text, ids = self._tokenize(prompt)
         self._check_length(len(ids), params)
+        vocab = self.arch.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab}, got "
+                             f"{[t for t in params.stop_token_ids if t >= vocab][:5]}.")
         params_list = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
         parent = _Parent(req_id, text, ids, [], [], [])
         for i, p in enumerate(params_list):
@@ -185,7 +190,18 @@ class LLMEngine:
         touched: dict[str, tuple[_Parent, set[int]]] = {}
         st = self.last_stats
         for req in advanced:
+            if req.req_id not in self._child_parent:  # a sibling failed earlier in this loop
+                continue
             parent, i = self._child_parent[req.req_id]
+            if req.error is not None:  # one sequence failed: the request fails, its siblings stop
+                parent.error = req.error
+                for j, sib in enumerate(parent.children):
+                    if not sib.is_finished:
+                        self.scheduler.finish_request(sib.req_id, "abort")
+                    if sib.req_id in self._child_parent:
+                        self._finish_child(parent, j)
+                touched[parent.req_id] = (parent, set(range(len(parent.children))))
+                continue
             m = req.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
@@ -235,7 +251,7 @@ class LLMEngine:
         finished = all(c.is_finished for c in parent.children)
         metrics = parent.children[0].metrics
         return RequestOutput(parent.req_id, parent.prompt, parent.prompt_token_ids,
-                             [_copy(o) for o in parent.outputs], finished, metrics)
+                             [_copy(o) for o in parent.outputs], finished, metrics, parent.error)
 
     def logprobs_for(self, token_id: int, entry: tuple[float, int, list[tuple[int, float]]]) -> dict[int, Logprob]:
         """One position's logprobs: the sampled token first, then the top-k alternatives."""

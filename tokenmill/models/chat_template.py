@@ -32,8 +32,18 @@ def compile_template(source: str) -> jinja2.Template:
         raise ValueError(f"the model's chat template does not parse: {e}") from None
 
 
+RESERVED = ("messages", "add_generation_prompt", "tools", "documents")  # set by render itself
+
+
 def render(source: str, messages: list[dict], add_generation_prompt: bool, special: dict[str, str],
-           tools: list | None = None, **kwargs) -> str:
+           tools: list | None = None, extra: dict | None = None) -> str:
+    """`extra`: the caller's own template variables (chat_template_kwargs); one that would
+    replace a variable render sets itself (the conversation, the special tokens) is refused."""
+    kwargs = dict(extra or {})
+    clash = sorted(k for k in kwargs if k in RESERVED or k in special)
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)}: the server sets "
+                         f"{'it' if len(clash) == 1 else 'them'} from the request and the model.")
     try:
         return compile_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                tools=tools, documents=None, **special, **kwargs)

@@ -58,11 +58,14 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None, **kwargs) -> str:
+                            tools: list | None = None, template_kwargs: dict | None = None) -> str:
+        """`template_kwargs`: extra template variables (the API's chat_template_kwargs), passed as a
+        dict so that one named like an argument here is refused by `render`, not a TypeError."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use plain completions (generate) instead of chat.")
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        return chat_template.render(self.chat_template, messages, add_generation_prompt, special, tools, **kwargs)
+        return chat_template.render(self.chat_template, messages, add_generation_prompt, special, tools,
+                                    template_kwargs)
 
     def save(self, path: str) -> None:
         """Write tokenizer.json, tokenizer_config.json and generation_config.json, which

@@ -6,6 +6,7 @@ registered by the engine with `add_request` and dropped with `remove_request`.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,10 @@ from tokenmill.runner import kv_cache
 from tokenmill.sampling.sampler import Sampler, SamplingRow
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import gather_in_huge_pages
+
+log = logging.getLogger("tokenmill")
+NON_FINITE = "the model produced non-finite logits (NaN or infinity) for this request"
+SAMPLING_FAILED = "sampling this request's next token failed (an internal error; see the server log)"
 
 
 @dataclass
@@ -68,15 +73,38 @@ class ModelRunner:
         if not sample_ids:
             return out
         logits = self.model.compute_logits(hidden[sample_idx])
+        # faults that belong to one request fail that request only (the engine keeps the others):
+        # a row with NaN or infinity anywhere (one pass: its sum is then not finite) ...
+        bad = (~torch.isfinite(logits.sum(dim=-1))).nonzero()[:, 0].tolist()
+        if bad:
+            for i in bad:
+                out.failed[sample_ids[i]] = NON_FINITE
+            keep = [i for i in range(len(sample_ids)) if i not in set(bad)]
+            logits, sample_ids = logits[keep], [sample_ids[i] for i in keep]
+            if not sample_ids:
+                return out
         rows = [self._row(req_id) for req_id in sample_ids]
-        result = self.sampler(logits, rows)
-        tokens = result.token_ids.tolist()
+        try:
+            self._take(self.sampler(logits, rows), sample_ids, out)
+        except Exception:  # noqa: BLE001 - ... and a sampler error: find the row(s) that raise
+            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(rows))
+            for i, req_id in enumerate(sample_ids):
+                try:
+                    self._take(self.sampler(logits[i:i + 1], rows[i:i + 1]), [req_id], out)
+                except Exception:  # noqa: BLE001
+                    log.exception("sampling request %s failed", req_id)
+                    out.failed[req_id] = SAMPLING_FAILED
+        return out
+
+    def _take(self, result, sample_ids: list[str], out: RunnerOutput) -> None:
+        """Commit a sampler result: nothing is recorded unless all of it converts."""
+        tokens, part = result.token_ids.tolist(), RunnerOutput()
+        if result.logprobs is not None:
+            self._collect_logprobs(result, sample_ids, part)
         for req_id, tok in zip(sample_ids, tokens):
             out.sampled[req_id] = tok
             self.states[req_id].token_ids.append(tok)
-        if result.logprobs is not None:
-            self._collect_logprobs(result, sample_ids, out)
-        return out
+        out.logprobs.update(part.logprobs)
 
     def _row(self, req_id: str) -> SamplingRow:
         st = self.states[req_id]

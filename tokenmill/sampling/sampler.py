@@ -119,7 +119,7 @@ def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     probability reaches p; the most likely token always stays)."""
     device = logits.device
     vocab = logits.shape[1]
-    k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=device)
+    k = torch.tensor([min(r.params.top_k, vocab) if r.params.top_k > 0 else vocab for r in rows], device=device)
     p = torch.tensor([r.params.top_p for r in rows], device=device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=device)[None, :]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_engine import EngineDeadError, QueueFullError
+from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as P
 from tokenmill.server.metrics import Metrics
+
+log = logging.getLogger("tokenmill.server")
 
 
 @dataclass
@@ -71,9 +74,15 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
 
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_, e: RequestFailedError):
+        return error_response(500, str(e), "internal_error")
+
     @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+    async def _internal(_, e: Exception):  # the details go to the log, never to the client
+        ref = uuid.uuid4().hex[:12]
+        log.error("internal error %s", ref, exc_info=e)
+        return error_response(500, f"internal error (reference {ref} in the server log)", "internal_error")
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in config.served_model_names:
@@ -88,6 +97,9 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     # ------------------------------------------------------------ simple routes
     @app.get("/health")
     async def health():
+        # 503 once the engine has died: the process is on its way out, a supervisor should restart it
+        if client.dead is not None:
+            return error_response(503, "the engine has stopped after an error", "internal_error")
         return Response(status_code=200)
 
     @app.get("/v1/models")
@@ -245,13 +257,17 @@ def _render_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             if any(part.get("type") != "text" for part in content):
                 raise APIError(400, f"messages[{i}]: only text content parts are supported", param="messages")
-            content = "".join(part.get("text", "") for part in content)
+            texts = [part.get("text", "") for part in content]
+            if any(not isinstance(t, str) for t in texts):
+                raise APIError(400, f"messages[{i}]: a text content part's text must be a string", param="messages")
+            content = "".join(texts)
         conv.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
     try:
         return tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                                       **(kwargs or {}))
+                                       template_kwargs=kwargs)
     except ValueError as e:
-        raise APIError(400, str(e), param="messages") from None
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=param) from None
 
 
 async def _start_all(streams: list[AsyncIterator[RequestOutput]], metrics: Metrics) -> list[RequestOutput]:
@@ -269,6 +285,8 @@ async def _start_all(streams: list[AsyncIterator[RequestOutput]], metrics: Metri
         raise APIError(503, str(e), "server_overloaded")
     if isinstance(e, EngineDeadError):
         raise APIError(503, str(e), "internal_error")
+    if isinstance(e, RequestFailedError):
+        raise APIError(500, str(e), "internal_error")
     raise e
 
 
@@ -372,6 +390,15 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+def _stream_error(e: EngineDeadError | RequestFailedError) -> str:
+    """A stream that fails after its first byte (its request failed, or the engine died): the
+    status is sent, so the error travels as an event in OpenAI's error shape (then [DONE])
+    instead of a connection cut mid-stream."""
+    code = 503 if isinstance(e, EngineDeadError) else 500
+    body = P.ErrorResponse(error=P.ErrorBody(message=str(e), type="internal_error", code=code))
+    return _data(body.model_dump()) + "data: [DONE]\n\n"
+
+
 async def _completion_stream(rid, req, prompts, streams, firsts, params, model_name, client) -> AsyncIterator[str]:
     created = int(time.time())
     usage = _Usage()
@@ -408,6 +435,8 @@ async def _completion_stream(rid, req, prompts, streams, firsts, params, model_n
             yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                          "choices": [], "usage": usage.model().model_dump()})
         yield "data: [DONE]\n\n"
+    except (EngineDeadError, RequestFailedError) as e:
+        yield _stream_error(e)
     finally:
         await _close(streams)
 
@@ -441,5 +470,7 @@ async def _chat_stream(rid, req, stream, first, model_name, client) -> AsyncIter
             usage.add(out)
             yield _data({**base, "choices": [], "usage": usage.model().model_dump()})
         yield "data: [DONE]\n\n"
+    except (EngineDeadError, RequestFailedError) as e:
+        yield _stream_error(e)
     finally:
         await stream.aclose()
