@@ -20,9 +20,12 @@ from tokenmill import kernels
 
 @dataclass
 class PrefillSegment:
-    """Queries `[q_start, q_end)` of the flat batch, one request's prompt chunk. With no earlier
-    context (`block_table is None`) it attends causally to its own fresh keys; otherwise it reads
-    its whole context from the cache under `mask` (q_len, ctx_slots), True = may attend."""
+    """Queries `[q_start, q_end)` of the flat batch, one request's prompt chunk, whose context
+    (earlier chunks and this one) is in the cache blocks of `block_table`. The CPU kernel reads it
+    there whatever `start` is, so a token's attention is the same arithmetic however the prompt was
+    chunked or served from the prefix cache. Elsewhere, with no earlier context (`start` 0) the
+    chunk attends causally to its own fresh keys; otherwise it gathers the context under `mask`
+    (q_len, ctx_slots), True = may attend."""
     q_start: int
     q_end: int
     block_table: torch.Tensor | None = None
@@ -91,12 +94,12 @@ class Attention(nn.Module):
             out[meta.decode_idx] = od
         for seg in meta.prefills:
             qs = q[seg.q_start:seg.q_end]
-            if seg.block_table is None:
-                out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end].to(q.dtype),
-                                                   v[seg.q_start:seg.q_end].to(q.dtype), self.scale, causal=True)
-            elif self.use_kernel:  # reads the context's blocks in place
+            if self.use_kernel:  # reads the context's blocks in place
                 out[seg.q_start:seg.q_end] = kernels.paged_context_attention(qs, self.k_cache, self.v_cache,
                                                                              seg.block_table, seg.start, self.scale)
+            elif seg.start == 0:
+                out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end].to(q.dtype),
+                                                   v[seg.q_start:seg.q_end].to(q.dtype), self.scale, causal=True)
             else:
                 kc = gather_blocks(self.k_cache, seg.block_table[None]).to(q.dtype)
                 vc = gather_blocks(self.v_cache, seg.block_table[None]).to(q.dtype)

@@ -173,8 +173,8 @@ class ModelRunner:
             meta.all_decode = not prefills
         for q_start, n, start, table in prefills:
             seg = PrefillSegment(q_start, q_start + n, start=start)
+            seg.block_table = torch.tensor(table, dtype=torch.long, device=dev)
             if start > 0:  # earlier chunks are in the cache: attend over the whole context
-                seg.block_table = torch.tensor(table, dtype=torch.long, device=dev)
                 q_pos = torch.arange(start, start + n, device=dev)
                 seg.mask = torch.arange(len(table) * bs, device=dev)[None, :] <= q_pos[:, None]
             meta.prefills.append(seg)
