@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -161,7 +162,13 @@ def test_faults_fail_their_request_only_then_an_engine_fault_stops_the_server(fa
             assert "injected" not in r.text
             ok = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "min_tokens": 3})
             assert ok.status_code == 200 and http.get("/health").status_code == 200
-            # the bystander streamed on through all of it; now a fault of the whole step
+            # the bystander streamed on through all of it; now, with a non-streaming request in flight
+            # too, a fault of the whole step
+            waiting: list[httpx.Response] = []
+            t = threading.Thread(target=lambda: waiting.append(httpx.post(
+                base + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1000, "ignore_eos": True}, timeout=120)))
+            t.start()
+            time.sleep(1.0)
             bad = http.post("/v1/completions", json={"prompt": [1, 2, POISON_FATAL], "max_tokens": 4})
             try:  # /health says so at once (unless uvicorn already closed the door)
                 assert http.get("/health").status_code == 503
@@ -172,5 +179,7 @@ def test_faults_fail_their_request_only_then_an_engine_fault_stops_the_server(fa
         assert "injected" not in bad.text  # internal exception text stays in the log
         assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["error"]["code"] == 503
         assert len(rest) > 10  # it had been streaming all along
+        t.join(timeout=60)
+        assert waiting[0].status_code == 503 and waiting[0].json()["error"]["type"] == "internal_error"
     assert proc.wait(timeout=60) == 1  # exits non-zero: a supervisor restarts it
     assert b"injected fault: a kernel failed" in proc.stderr.read()  # ... with the cause in the log

@@ -78,6 +78,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     async def _failed(_, e: RequestFailedError):
         return error_response(500, str(e), "internal_error")
 
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, e: EngineDeadError):  # a non-streaming request in flight when the engine died
+        return error_response(503, str(e), "internal_error")
+
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):  # the details go to the log, never to the client
         ref = uuid.uuid4().hex[:12]
