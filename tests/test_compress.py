@@ -21,8 +21,9 @@ CLI = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING"]
 CPU = torch.device("cpu")
 
 
-def load(path: str, quantization: str = "none", tokenizer: bool = False):
-    return loader.load(path, "float32", CPU, load_tokenizer=tokenizer, quantization=quantization)
+def load(path: str, quantization: str = "none", tokenizer: bool = False, activation_bits: int | str = "auto"):
+    return loader.load(path, "float32", CPU, load_tokenizer=tokenizer, quantization=quantization,
+                       activation_bits=activation_bits)
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -130,11 +131,13 @@ def test_quantized_checkpoint_loads_with_its_kernels_and_matches_dequantized_log
     method = qcfg.hf_quantization_config()["quant_method"]
     dequantized = load(str(tmp_path / "q"), "none").model
     torch.testing.assert_close(logits(dequantized, ids), reference, rtol=1e-5, atol=1e-5)
-    served = load(str(tmp_path / "q"), method).model
+    # 16-bit activations: this checks the integers the kernels serve, not the rounding of 8-bit
+    # activations (the AVX2 default), whose cost RESULTS measures on the real model
+    served = load(str(tmp_path / "q"), method, activation_bits=16).model
     kinds = {type(m.qweight) for n, m in served.named_modules() if isinstance(m, Linear) and "layers" in n}
     assert kinds == {int8.Int8Weight if qcfg.bits == 8 else int4.Int4Weight}   # the stored ints, on the kernels
     got = logits(served, ids)
-    assert (got - reference).abs().max() < 0.05 * reference.abs().max()    # bf16 activations in the kernels
+    assert (got - reference).abs().max() < 0.05 * reference.abs().max()    # bf16 activations in PyTorch's kernels
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
 
 
