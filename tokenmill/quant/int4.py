@@ -6,7 +6,10 @@ float16 scales and mins (as GGUF, AWQ and GPTQ store them; float32 where a group
 of 32), 16- or 8-bit-integer activations, one unpacked weight reused by every row of a batch. Otherwise PyTorch's CPU int4 layout for `torch._weight_int4pack_mm_for_cpu`, which
 dequantizes as (q - 8) * scale + zero (so zero = min + 8 * scale, kept in bfloat16) and runs fast
 only with bfloat16 activations (~920 us vs 28 us in float32 for a 1536x576 matrix here), so
-inputs are cast to bfloat16 for that product and back.
+inputs are cast to bfloat16 for that product and back. That kernel dequantizes its weights again
+for every row of x; from DEQUANT_MIN_ROWS rows on (prompt chunks, large batches) it is faster to
+dequantize the weight once from a plain nibble copy and run the float GEMM on the same bfloat16-
+rounded inputs (benchmarks/RESULTS.md), so the fallback keeps that copy too (half a byte per weight).
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ class Int4Weight:
     panels: kernels.Int4Panels | None = None   # tokenmill's kernel layout, or else:
     packed: torch.Tensor | None = None         # uint8 (N, K/2), torch's CPU int4 packing
     scales_zeros: torch.Tensor | None = None   # bfloat16 (K/group_size, N, 2)
+    nibbles: torch.Tensor | None = None        # uint8 (N, K/2): q[n, 2j] | q[n, 2j+1] << 4
+
+
+DEQUANT_MIN_ROWS = 128  # fallback: from this many rows of x, dequantize once + float GEMM
 
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the CPU kernel accepts
@@ -40,7 +47,9 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     zero = minimum.float() + 8.0 * scale.float()
     sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (G, N, 2)
-    return Int4Weight(group_size, n, k, packed=packed, scales_zeros=sz)
+    q8 = q.to(torch.uint8)
+    return Int4Weight(group_size, n, k, packed=packed, scales_zeros=sz,
+                      nibbles=(q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
 
 
 def matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
@@ -48,8 +57,21 @@ def matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     if w.panels is not None:
         return kernels.int4_linear(x.float(), w.panels).to(x.dtype)
     x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
-    y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group_size, w.scales_zeros)
+    if x2.shape[0] >= DEQUANT_MIN_ROWS and w.nibbles is not None:
+        y = torch.nn.functional.linear(x2.float(), _dequantize_fallback(w))
+    else:
+        y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group_size, w.scales_zeros)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def _dequantize_fallback(w: Int4Weight) -> torch.Tensor:
+    """The float32 (N, K) weight PyTorch's int4 kernel multiplies by: (q - 8) * scale + zero with
+    its bfloat16 scales and zeros."""
+    n, k, g = w.out_features, w.in_features, w.group_size
+    q = torch.stack([w.nibbles & 15, w.nibbles >> 4], dim=-1).reshape(n, k // g, g).float() - 8.0
+    sz = w.scales_zeros.float()                                            # (G, N, 2)
+    scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]     # (N, G, 1)
+    return torch.addcmul(zero, q, scale).reshape(n, k)
 
 
 def quantize_rtn(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
