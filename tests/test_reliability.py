@@ -183,3 +183,25 @@ def test_faults_fail_their_request_only_then_an_engine_fault_stops_the_server(fa
         assert waiting[0].status_code == 503 and waiting[0].json()["error"]["type"] == "internal_error"
     assert proc.wait(timeout=60) == 1  # exits non-zero: a supervisor restarts it
     assert b"injected fault: a kernel failed" in proc.stderr.read()  # ... with the cause in the log
+
+
+# ---------------------------------------------------------------- auth
+@pytest.mark.slow
+@pytest.mark.parametrize("flag,env", [(["--api-key", ""], None), (["--api-key", "  "], None), ([], "k1,,k2"), ([], " ")])
+def test_an_empty_api_key_is_refused_at_start(flag, env):
+    environ = dict(os.environ)
+    environ.pop("TOKENMILL_API_KEY", None)
+    if env is not None:
+        environ["TOKENMILL_API_KEY"] = env
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(free_port()), *flag],
+                       env=environ, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and ("--api-key must not be empty" in r.stderr or "TOKENMILL_API_KEY" in r.stderr)
+
+
+@pytest.mark.slow
+def test_keys_are_checked_whole(server):
+    for auth in (f"Bearer {KEY}x", f"Bearer {KEY[:-1]}", "Bearer", KEY, f"Basic {KEY}"):
+        r = httpx.get(server + "/v1/models", headers={"Authorization": auth})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", auth
+    for auth in (f"Bearer {KEY}", f"bearer {KEY}"):  # the scheme's case is free (RFC 7235)
+        assert httpx.get(server + "/v1/models", headers={"Authorization": auth}).status_code == 200

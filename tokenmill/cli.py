@@ -124,7 +124,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}.")
     keys = list(args.api_key or [])
-    keys += [k.strip() for k in os.environ.get("TOKENMILL_API_KEY", "").split(",") if k.strip()]
+    if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
+        raise ValueError("--api-key must not be empty.")
+    env = os.environ.get("TOKENMILL_API_KEY", "")
+    keys += [k.strip() for k in env.split(",") if k.strip()]
+    if env and any(not k.strip() for k in env.split(",")):
+        raise ValueError("TOKENMILL_API_KEY holds an empty key; give comma-separated non-empty keys or unset it.")
     engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
     names = args.served_model_name or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])

@@ -6,6 +6,7 @@ error body with the right status; a client that goes away aborts its request in 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -199,15 +200,24 @@ class _Guard:
     API key on every route but /health, and a cap on the declared body size."""
 
     def __init__(self, app, api_keys: set[str], max_bytes: int) -> None:
-        self.app, self.api_keys, self.max_bytes = app, api_keys, max_bytes
+        self.app, self.max_bytes = app, max_bytes
+        self.api_keys = [k.encode() for k in api_keys]
+
+    def _authorized(self, auth: str) -> bool:
+        """Constant-time against every key: how long a wrong key takes says nothing about a right one."""
+        scheme, _, token = auth.partition(" ")
+        given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""  # RFC 7235: any case
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(given, key)
+        return ok and bool(given)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_keys and scope["path"] != "/health":
-            auth = hdrs.get("authorization", "")
-            if not auth.startswith("Bearer ") or auth[7:].strip() not in self.api_keys:
+            if not self._authorized(hdrs.get("authorization", "")):
                 resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       "authentication_error")
                 return await resp(scope, receive, send)
