@@ -123,23 +123,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue_len is not None and args.max_queue_len < 1:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}.")
-    keys = list(args.api_key or [])
-    if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
-        raise ValueError("--api-key must not be empty.")
     env = os.environ.get("TOKENMILL_API_KEY", "")
-    keys += [k.strip() for k in env.split(",") if k.strip()]
-    if env and any(not k.strip() for k in env.split(",")):
-        raise ValueError("TOKENMILL_API_KEY holds an empty key; give comma-separated non-empty keys or unset it.")
+    keys = list(args.api_key or []) + (env.split(",") if env else [])
+    if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
+        raise ValueError("--api-key must not be empty, nor any comma-separated entry of TOKENMILL_API_KEY.")
+    keys = [k.strip() for k in keys]
     engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
     names = args.served_model_name or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
-    server: list[uvicorn.Server] = []
-
-    def stop_serving(_: BaseException) -> None:  # the engine died: uvicorn drains and the process exits 1
-        if server:
-            server[0].should_exit = True
-
-    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len, on_dead=stop_serving)
+    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len)
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys), metrics)
     from tokenmill import kernels
 
@@ -150,12 +142,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
-    server.append(uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                                timeout_graceful_shutdown=args.graceful_shutdown_timeout)))
-    if client.dead is not None:  # it died before uvicorn existed to be told
-        server[0].should_exit = True
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                           timeout_graceful_shutdown=args.graceful_shutdown_timeout))
+    # the engine died: uvicorn drains and the process exits 1 (also if it died before this line)
+    client.on_dead = lambda _: setattr(server, "should_exit", True)
+    server.should_exit = client.dead is not None
     try:
-        server[0].run()
+        server.run()
     finally:
         client.shutdown()
     if client.dead is not None:

@@ -79,7 +79,7 @@ class ModelRunner:
         if bad:
             for i in bad:
                 out.failed[sample_ids[i]] = NON_FINITE
-            keep = [i for i in range(len(sample_ids)) if i not in set(bad)]
+            keep = sorted(set(range(len(sample_ids))) - set(bad))
             logits, sample_ids = logits[keep], [sample_ids[i] for i in keep]
             if not sample_ids:
                 return out

@@ -26,6 +26,8 @@ from tokenmill.server import protocol as P
 from tokenmill.server.metrics import Metrics
 
 log = logging.getLogger("tokenmill.server")
+# what the engine's own failures answer, before the first byte (a status) or after it (an event)
+_ENGINE_ERRORS = {RequestFailedError: 500, EngineDeadError: 503}
 
 
 @dataclass
@@ -76,12 +78,9 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         return error_response(e.status_code, str(e.detail), "invalid_request_error")
 
     @app.exception_handler(RequestFailedError)
-    async def _failed(_, e: RequestFailedError):
-        return error_response(500, str(e), "internal_error")
-
     @app.exception_handler(EngineDeadError)
-    async def _dead(_, e: EngineDeadError):  # a non-streaming request in flight when the engine died
-        return error_response(503, str(e), "internal_error")
+    async def _engine_failed(_, e: RequestFailedError | EngineDeadError):
+        return error_response(_ENGINE_ERRORS[type(e)], str(e), "internal_error")
 
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):  # the details go to the log, never to the client
@@ -297,11 +296,7 @@ async def _start_all(streams: list[AsyncIterator[RequestOutput]], metrics: Metri
         raise _bad_request(e)
     if isinstance(e, QueueFullError):
         raise APIError(503, str(e), "server_overloaded")
-    if isinstance(e, EngineDeadError):
-        raise APIError(503, str(e), "internal_error")
-    if isinstance(e, RequestFailedError):
-        raise APIError(500, str(e), "internal_error")
-    raise e
+    raise e  # the engine's own failures: _engine_failed answers them
 
 
 async def _close(streams) -> None:
@@ -408,8 +403,7 @@ def _stream_error(e: EngineDeadError | RequestFailedError) -> str:
     """A stream that fails after its first byte (its request failed, or the engine died): the
     status is sent, so the error travels as an event in OpenAI's error shape (then [DONE])
     instead of a connection cut mid-stream."""
-    code = 503 if isinstance(e, EngineDeadError) else 500
-    body = P.ErrorResponse(error=P.ErrorBody(message=str(e), type="internal_error", code=code))
+    body = P.ErrorResponse(error=P.ErrorBody(message=str(e), type="internal_error", code=_ENGINE_ERRORS[type(e)]))
     return _data(body.model_dump()) + "data: [DONE]\n\n"
 
 
