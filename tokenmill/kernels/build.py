@@ -6,9 +6,12 @@ compiled library is cached under a name that hashes the sources, the variant's f
 version, so a cache directory shared by machines with different CPUs never hands one a binary it
 cannot execute, and an edited source never loads a stale binary.
 
-Builds run in a private temporary folder and the finished library is renamed into the cache
-atomically: there is no shared lock for an interrupted start to leave behind, and two processes
-building at once both succeed (the second rename replaces the first with identical bytes).
+Builds run in a child process (a time limit and Ctrl-C kill the whole compiler process group), in
+a private temporary folder whose finished library is renamed into the cache atomically: there is
+no shared lock for an interrupted start to leave behind, and two processes building at once both
+succeed (the second rename replaces the first with identical bytes). `make install` runs the build
+(`python -m tokenmill.kernels`) so that serving loads a built library; a build on first use
+remains for pip installs and forced variants, announced before and after.
 """
 from __future__ import annotations
 
@@ -107,14 +110,30 @@ def _cflags(isa: str) -> list[str]:
     return ["-O3", "-fopenmp", "-fno-math-errno", *VARIANTS[isa][0], f"-DTOKENMILL_ISA_NAME={isa}"]
 
 
+def compiler_version() -> str:
+    """The first line of `$CXX --version` (what torch's extension builder runs), or "none"."""
+    return _compiler_version(os.environ.get("CXX", "c++"))
+
+
+def _compiler_version(cxx: str, _seen: dict[str, str] = {}) -> str:
+    if cxx not in _seen:
+        import subprocess
+        try:
+            out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+            _seen[cxx] = (out.splitlines() or ["none"])[0]
+        except (OSError, subprocess.SubprocessError):
+            _seen[cxx] = "none"
+    return _seen[cxx]
+
+
 def library_name(isa: str) -> str:
-    """tokenmill_cpu_<isa>_<hash of sources, headers, flags, torch and Python version>."""
+    """tokenmill_cpu_<isa>_<hash of sources, headers, flags, compiler, torch and Python version>."""
     import torch
     h = hashlib.sha256()
     for path in SOURCES + HEADERS:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join(_cflags(isa)).encode())
-    h.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()}".encode())
+    h.update(f"{torch.__version__} {sys.version_info[:2]} {platform.machine()} {compiler_version()}".encode())
     return f"tokenmill_cpu_{isa}_{h.hexdigest()[:16]}"
 
 
@@ -129,30 +148,140 @@ def _prune(folder: pathlib.Path, max_age_s: float = 86400.0) -> None:
             pass
 
 
+BUILD_TIMEOUT_ENV = "TOKENMILL_KERNEL_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT_S = 900.0
+
+
+class BuildTimeout(RuntimeError):
+    """The compiler ran past TOKENMILL_KERNEL_BUILD_TIMEOUT; its processes were killed."""
+
+
+def build_timeout() -> float:
+    raw = os.environ.get(BUILD_TIMEOUT_ENV, "").strip()
+    try:
+        value = float(raw) if raw else DEFAULT_BUILD_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"{BUILD_TIMEOUT_ENV}={raw!r} must be positive")
+    return value
+
+
 def load(isa: str) -> pathlib.Path:
-    """Loads the cached library of variant `isa` into torch.ops, building it first if needed.
-    Returns its path. Raises whatever the compiler or loader raises."""
+    """Loads the cached library of variant `isa` into torch.ops, compiling it first if needed.
+    Returns its path. Raises BuildTimeout, or RuntimeError with the compiler's error lines."""
     import torch
-    folder = cache_dir()
-    name = library_name(isa)
-    target = folder / f"{name}.so"
+    target = cache_dir() / f"{library_name(isa)}.so"
     if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        _prune(folder)
-        logger.info("building tokenmill's CPU kernels (%s) into %s; the first start only, about a minute",
-                    isa, folder)
-        bindir = os.path.dirname(sys.executable)  # the `ninja` wheel puts its binary beside the interpreter
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        from torch.utils import cpp_extension
-        work = pathlib.Path(tempfile.mkdtemp(prefix="build-", dir=folder))
-        try:
-            cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(work),
-                               extra_cflags=_cflags(isa), extra_ldflags=["-fopenmp"], is_python_module=False,
-                               verbose=False)
-            os.replace(work / f"{name}.so", target)  # the loaded mapping outlives the rename
-            return target
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
+        compile_variant(isa)
     torch.ops.load_library(str(target))
     return target
+
+
+def compile_variant(isa: str, timeout: float | None = None) -> pathlib.Path:
+    """Compiles variant `isa` into the cache in a child process, with one line before and one after.
+
+    A child process because a compiler cannot be stopped from inside the process that waits on it:
+    on timeout, Ctrl-C or any error the child's whole process group (ninja, g++) is killed, its
+    private build folder goes with it, and the caller falls back to PyTorch's kernels."""
+    import subprocess
+    timeout = build_timeout() if timeout is None else timeout
+    folder = cache_dir()
+    target = folder / f"{library_name(isa)}.so"
+    folder.mkdir(parents=True, exist_ok=True)
+    _prune(folder)
+    logger.warning("building tokenmill's CPU kernels for %s, once, into %s (about a minute; at most %.0f s, "
+                   "%s sets the limit)", isa, folder, timeout, BUILD_TIMEOUT_ENV)
+    t0 = time.monotonic()
+    work = pathlib.Path(tempfile.mkdtemp(prefix="build-", dir=folder))
+    pythonpath = [str(HERE.parent.parent)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "tokenmill.kernels", "--isa", isa, "--work", str(work)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)})
+        try:
+            out, _ = child.communicate(timeout=timeout)
+        except BaseException as e:  # timeout, Ctrl-C, SystemExit: no compiler outlives us
+            _stop(child)
+            if isinstance(e, subprocess.TimeoutExpired):
+                raise BuildTimeout(f"the kernel build ran past {timeout:.0f} s ({BUILD_TIMEOUT_ENV}) and was "
+                                   f"stopped") from None
+            raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if child.returncode != 0 or not target.exists():
+        text = out.decode(errors="replace").strip()
+        logger.debug("kernel build output:\n%s", text)
+        errors = [ln.strip() for ln in text.splitlines() if "error:" in ln.lower()] or text.splitlines()[-1:]
+        raise RuntimeError(f"the kernel build failed (exit {child.returncode}): "
+                           + " | ".join(list(dict.fromkeys(errors))[:3]))
+    logger.warning("built tokenmill's CPU kernels for %s in %.0f s: %s", isa, time.monotonic() - t0, target.name)
+    return target
+
+
+def _stop(child) -> None:
+    """SIGTERM to the child's process group first: ninja runs each compiler in a process group of
+    its own and, on SIGTERM, stops them before it exits; SIGKILL whatever is left after 10 s."""
+    import signal
+    import subprocess
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, None)):
+        try:
+            os.killpg(child.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            child.wait(timeout=grace)
+            ninja_gone = True
+        except subprocess.TimeoutExpired:
+            ninja_gone = False
+        if ninja_gone:
+            break
+
+
+def _compile_in_process(isa: str, work: pathlib.Path) -> pathlib.Path:
+    """The child's side: compile in the folder the parent made (and removes), rename into the cache."""
+    name = library_name(isa)
+    bindir = os.path.dirname(sys.executable)  # the `ninja` wheel puts its binary beside the interpreter
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    from torch.utils import cpp_extension
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(work),
+                       extra_cflags=_cflags(isa), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    target = cache_dir() / f"{name}.so"
+    os.replace(work / f"{name}.so", target)
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenmill.kernels`: compile this CPU's variant now (install time, `make
+    install`) so that the first `tokenmill serve` loads it instead of compiling."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m tokenmill.kernels", description=main.__doc__)
+    ap.add_argument("--isa", default=None, help=f"a variant ({', '.join(VARIANTS)}); default: {ISA_ENV} or auto")
+    ap.add_argument("--work", type=pathlib.Path, default=None, help=argparse.SUPPRESS)  # the child's side
+    args = ap.parse_args(argv)
+    logging.basicConfig(level="INFO", format="%(message)s", stream=sys.stderr)
+    try:
+        if args.isa is not None:
+            os.environ[ISA_ENV] = args.isa
+        isa = requested()
+    except UnsupportedISA as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if isa is None:
+        print("no kernel variant runs on this CPU (x86-64 with AVX2 needed); PyTorch's kernels will serve.",
+              file=sys.stderr)
+        return 0
+    if args.work is not None:
+        _compile_in_process(isa, args.work)
+        return 0
+    target = cache_dir() / f"{library_name(isa)}.so"
+    if target.exists():
+        print(f"tokenmill's CPU kernels for {isa} are built: {target}", file=sys.stderr)
+        return 0
+    try:
+        compile_variant(isa)
+    except (BuildTimeout, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
