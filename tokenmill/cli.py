@@ -120,9 +120,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.api import ServerConfig, build_app
     from tokenmill.server.metrics import Metrics
+    from tokenmill.server.transport import bounded_h11
 
-    if args.max_queue_len is not None and args.max_queue_len < 1:
-        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}.")
+    for flag in ("max_queue_len", "max_connections", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
     env = os.environ.get("TOKENMILL_API_KEY", "")
     keys = list(args.api_key or []) + (env.split(",") if env else [])
     if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
@@ -131,8 +133,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
     names = args.served_model_name or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
-    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len)
-    app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys), metrics)
+    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len,
+                         request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
+    app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys,
+                                         max_request_bytes=args.max_request_bytes,
+                                         client_timeout=args.client_timeout), metrics)
     from tokenmill import kernels
 
     cpu = ""
@@ -142,8 +147,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
+    http = bounded_h11(head_timeout=args.client_timeout, max_connections=args.max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                           timeout_graceful_shutdown=args.graceful_shutdown_timeout))
+                                           timeout_graceful_shutdown=args.graceful_shutdown_timeout, http=http,
+                                           timeout_keep_alive=args.timeout_keep_alive))
     # the engine died: uvicorn drains and the process exits 1 (also if it died before this line)
     client.on_dead = lambda _: setattr(server, "should_exit", True)
     server.should_exit = client.dead is not None
@@ -336,6 +343,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests beyond which new ones get 503 (default: 1024)")
     s.add_argument("--graceful-shutdown-timeout", type=int, default=30,
                    help="seconds SIGTERM waits for running requests to finish (default: 30)")
+    s.add_argument("--request-timeout", type=_seconds, default=None,
+                   help="seconds a request may take from arrival to its last token; past it the request stops "
+                        "and gets 504 (an error event if streaming). Default: no limit")
+    s.add_argument("--max-queue-time", type=_seconds, default=None,
+                   help="seconds a request may wait before it is first scheduled; past it 503. Default: no limit")
+    s.add_argument("--client-timeout", type=_seconds, default=30.0,
+                   help="seconds a client has to send a request's head, and again its body (default: 30)")
+    s.add_argument("--timeout-keep-alive", type=_seconds, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default: 5)")
+    s.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections beyond which new ones are closed at once (default: 2048)")
+    s.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="largest request body, declared or chunked (default: 8 MiB)")
     s.add_argument("--uvicorn-log-level", default="warning")
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
@@ -389,6 +409,17 @@ def build_parser() -> argparse.ArgumentParser:
             _add_engine_args(sp)
         sp.set_defaults(func=cmd_bench)
     return p
+
+
+def _seconds(text: str) -> float:
+    import math
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

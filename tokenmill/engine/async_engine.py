@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable, Protocol
 
 from tokenmill.engine.llm_engine import LLMEngine, StepStats
@@ -31,6 +33,14 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request failed on its own (non-finite logits, a sampling error); the engine serves on."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past its time limit (--request-timeout) and was aborted in the engine."""
+
+
+class QueueTimeoutError(RuntimeError):
+    """The request waited past --max-queue-time without being scheduled; it never started."""
 
 
 class EngineClient(Protocol):
@@ -54,15 +64,21 @@ class EngineClient(Protocol):
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, stat_logger: Callable[[StepStats], None] | None = None,
-                 max_queue_len: int | None = None, on_dead: Callable[[BaseException], None] | None = None) -> None:
+                 max_queue_len: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
+                 request_timeout: float | None = None, max_queue_time: float | None = None) -> None:
         """`on_dead`: called (on the engine thread) once a step fails beyond one request, after every
-        in-flight request has been failed; the server uses it to exit non-zero."""
+        in-flight request has been failed; the server uses it to exit non-zero.
+        `request_timeout` / `max_queue_time` (seconds from submission; None: no limit) are enforced
+        on the engine thread between steps, so a request is stopped and its KV blocks freed even
+        when nothing on the event loop is waiting on it."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.stat_logger = stat_logger
         self.max_queue_len = max_queue_len
         self.on_dead = on_dead
+        self.request_timeout, self.max_queue_time = request_timeout, max_queue_time
+        self._deadlines: dict[str, tuple[float, float]] = {}  # req id -> (total, queue) deadline, monotonic
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -88,7 +104,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         out_q: asyncio.Queue = asyncio.Queue()
         added: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("add", req_id, prompt, params, priority, added, (loop, out_q)))
+        now = time.monotonic()
+        deadlines = (now + (self.request_timeout or math.inf), now + (self.max_queue_time or math.inf))
+        self._cmds.put(("add", req_id, prompt, params, priority, added, (loop, out_q), deadlines))
         self._wake.set()
         await asyncio.wrap_future(added)  # raises the engine's ValueError for a bad request
         finished = False
@@ -131,6 +149,8 @@ class AsyncEngine:
         engine = self.engine
         while not self._stopped:
             self._drain_commands()
+            if self._deadlines:
+                self._expire(time.monotonic())
             if not engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
@@ -162,6 +182,7 @@ class AsyncEngine:
             batches.setdefault(loop, []).append((out_q, out))
             if out.finished:
                 del self._streams[out.request_id]
+                self._deadlines.pop(out.request_id, None)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_put_all, items)
 
@@ -172,7 +193,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, req_id, prompt, params, priority, added, target = cmd
+                _, req_id, prompt, params, priority, added, target, deadlines = cmd
                 try:
                     self.engine.add_request(req_id, prompt, params, priority=priority)
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
@@ -181,18 +202,40 @@ class AsyncEngine:
                     added.set_exception(e)
                     continue
                 self._streams[req_id] = target
+                if deadlines != (math.inf, math.inf):
+                    self._deadlines[req_id] = deadlines
                 with self._lock:
                     self._pending_adds -= 1
                     self._engine_waiting = len(self.engine.scheduler.waiting)
                 added.set_result(None)
             else:
-                self.engine.abort_request(cmd[1])
-                self._streams.pop(cmd[1], None)
-                if self.stat_logger is not None:
-                    stats = StepStats(num_running=len(self.engine.scheduler.running),
-                                      num_waiting=len(self.engine.scheduler.waiting),
-                                      kv_cache_usage=self.engine.block_manager.usage)
-                    self.stat_logger(stats)
+                self._abort(cmd[1])
+
+    def _abort(self, req_id: str, err: BaseException | None = None) -> None:
+        """Stops the request in the engine; `err` goes to its stream (a client that aborted itself
+        is not waiting for anything)."""
+        parent = self.engine.parents.get(req_id)
+        stopped = [c for c in parent.children if not c.is_finished] if parent is not None else []
+        self.engine.abort_request(req_id)
+        target = self._streams.pop(req_id, None)
+        self._deadlines.pop(req_id, None)
+        if err is not None and target is not None:
+            target[0].call_soon_threadsafe(target[1].put_nowait, err)
+        if self.stat_logger is not None:  # the stopped sequences count as finished with "abort"
+            self.stat_logger(StepStats(num_running=len(self.engine.scheduler.running),
+                                       num_waiting=len(self.engine.scheduler.waiting),
+                                       kv_cache_usage=self.engine.block_manager.usage, finished=stopped))
+
+    def _expire(self, now: float) -> None:
+        for req_id, (total, queued) in list(self._deadlines.items()):
+            if now >= queued and not self.engine.was_scheduled(req_id):
+                self._abort(req_id, QueueTimeoutError(
+                    f"the request waited {self.max_queue_time:g} s (--max-queue-time) without being scheduled; "
+                    f"the server is overloaded, retry later."))
+            elif now >= total:
+                self._abort(req_id, RequestTimeoutError(
+                    f"the request ran past its time limit of {self.request_timeout:g} s (--request-timeout) "
+                    f"and was stopped."))
 
     def _fail_all(self, err: BaseException) -> None:
         for loop, out_q in self._streams.values():

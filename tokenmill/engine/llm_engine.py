@@ -160,6 +160,11 @@ class LLMEngine:
                 self._finish_child(parent, i)
         return self._request_output(parent, set(range(len(parent.children))))
 
+    def was_scheduled(self, req_id: str) -> bool:
+        """Whether any sequence of the request has been scheduled (unknown ids count as scheduled)."""
+        parent = self.parents.get(req_id)
+        return parent is None or any(c.metrics.first_scheduled_time is not None for c in parent.children)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 

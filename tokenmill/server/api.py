@@ -19,15 +19,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from tokenmill.engine.async_engine import (EngineDeadError, QueueFullError, QueueTimeoutError, RequestFailedError,
+                                           RequestTimeoutError)
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server import protocol as P
 from tokenmill.server.metrics import Metrics
 
 log = logging.getLogger("tokenmill.server")
-# what the engine's own failures answer, before the first byte (a status) or after it (an event)
-_ENGINE_ERRORS = {RequestFailedError: 500, EngineDeadError: 503}
+# what the engine's own failures answer, before the first byte (a status) or after it (an event).
+# A request past --request-timeout is a 504 (the server gave up on it, like a gateway does), one
+# never scheduled within --max-queue-time a 503 (overloaded: safe to retry elsewhere, nothing ran).
+_ENGINE_ERRORS = {RequestFailedError: (500, "internal_error"), EngineDeadError: (503, "internal_error"),
+                  RequestTimeoutError: (504, "timeout_error"), QueueTimeoutError: (503, "server_overloaded")}
 
 
 @dataclass
@@ -35,6 +39,7 @@ class ServerConfig:
     served_model_names: list[str]
     api_keys: list[str]
     max_request_bytes: int = 8 << 20
+    client_timeout: float = 30.0  # seconds a client has to send a request's body (its head: transport.py)
 
 
 class APIError(Exception):
@@ -56,7 +61,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     model_name = config.served_model_names[0]
 
     # ------------------------------------------------------------ cross-cutting
-    app.add_middleware(_Guard, api_keys=set(config.api_keys), max_bytes=config.max_request_bytes)
+    app.add_middleware(_Guard, api_keys=set(config.api_keys), max_bytes=config.max_request_bytes,
+                       body_timeout=config.client_timeout)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -79,8 +85,11 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
     @app.exception_handler(RequestFailedError)
     @app.exception_handler(EngineDeadError)
-    async def _engine_failed(_, e: RequestFailedError | EngineDeadError):
-        return error_response(_ENGINE_ERRORS[type(e)], str(e), "internal_error")
+    @app.exception_handler(RequestTimeoutError)
+    @app.exception_handler(QueueTimeoutError)
+    async def _engine_failed(_, e: Exception):
+        status, type_ = _ENGINE_ERRORS[type(e)]
+        return error_response(status, str(e), type_)
 
     @app.exception_handler(Exception)
     async def _internal(_, e: Exception):  # the details go to the log, never to the client
@@ -146,10 +155,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [client.generate(f"{rid}-{i}", p, params, req.priority) for i, p in enumerate(prompts)]
-        firsts = await _start_all(streams, metrics)
+        firsts = await _start_all(streams)
         if req.stream:
             return _sse(_completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
-        finals = await _until_disconnected(raw, _collect_all(streams, firsts), metrics)
+        finals = await _until_disconnected(raw, _collect_all(streams, firsts))
         choices, usage, timings = [], _Usage(), None
         for pi, (prompt, out) in enumerate(zip(prompts, finals)):
             usage.add(out)
@@ -179,10 +188,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         params = _sampling_params(req, max_tokens, top if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = client.generate(rid, ids, params, req.priority)
-        first = (await _start_all([stream], metrics))[0]
+        first = (await _start_all([stream]))[0]
         if req.stream:
             return _sse(_chat_stream(rid, req, stream, first, model_name, client))
-        out = (await _until_disconnected(raw, _collect_all([stream], [first]), metrics))[0]
+        out = (await _until_disconnected(raw, _collect_all([stream], [first])))[0]
         usage = _Usage()
         usage.add(out)
         choices = [P.ChatChoice(index=o.index, message=P.ChatResponseMessage(content=o.text),
@@ -196,10 +205,12 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from handlers):
-    API key on every route but /health, and a cap on the declared body size."""
+    API key on every route but /health, and the request body read here, whole, before any handler
+    runs: at most `max_bytes` whether declared (Content-Length) or chunked, within `body_timeout`
+    seconds, so a client that sends slowly or without end holds nothing beyond that."""
 
-    def __init__(self, app, api_keys: set[str], max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, api_keys: set[str], max_bytes: int, body_timeout: float) -> None:
+        self.app, self.max_bytes, self.body_timeout = app, max_bytes, body_timeout
         self.api_keys = [k.encode() for k in api_keys]
 
     def _authorized(self, auth: str) -> bool:
@@ -222,10 +233,61 @@ class _Guard:
                 return await resp(scope, receive, send)
         length = hdrs.get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
-            resp = error_response(413, f"request body of {length} bytes exceeds the limit of {self.max_bytes} bytes",
-                                  "invalid_request_error")
-            return await resp(scope, receive, send)
+            return await _closing(413, f"request body of {length} bytes exceeds the limit of {self.max_bytes} "
+                                       "bytes")(scope, receive, send)
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            try:
+                body = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
+            except _BodyTooLarge:
+                return await _closing(413, f"request body exceeds the limit of {self.max_bytes} bytes")(
+                    scope, receive, send)
+            except asyncio.TimeoutError:
+                return await _closing(408, f"the request body did not arrive within {self.body_timeout:g} s")(
+                    scope, receive, send)
+            except _ClientGone:
+                return None
+            receive = _replay(body, receive)
         return await self.app(scope, receive, send)
+
+    async def _read_body(self, receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _closing(status: int, message: str) -> JSONResponse:
+    """An error for a request whose body was not read to its end: the connection cannot carry
+    another request, so it is closed after the answer."""
+    resp = error_response(status, message, "invalid_request_error")
+    resp.headers["connection"] = "close"
+    return resp
+
+
+def _replay(body: bytes, receive):
+    """The ASGI receive of a request whose body was read already: the body once, then the
+    connection's own messages (the disconnect that handlers watch for)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+    return replayed
 
 
 # ---------------------------------------------------------------- request -> engine
@@ -257,6 +319,8 @@ def _completion_prompts(prompt) -> list[str | list[int]]:
         raise APIError(400, "prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
+    if len(prompt) > P.MAX_PROMPTS:
+        raise APIError(400, f"prompt may hold at most {P.MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
     return list(prompt)
 
 
@@ -283,7 +347,7 @@ def _render_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool
         raise APIError(400, str(e), param=param) from None
 
 
-async def _start_all(streams: list[AsyncIterator[RequestOutput]], metrics: Metrics) -> list[RequestOutput]:
+async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Submit every request at once and wait for each first output, so that bad input (prompt
     too long, queue full) fails the HTTP call with a proper status before any byte is streamed."""
     results = await asyncio.gather(*(s.__anext__() for s in streams), return_exceptions=True)
@@ -313,7 +377,7 @@ async def _collect_all(streams, firsts) -> list[RequestOutput]:
     return finals
 
 
-async def _until_disconnected(raw: Request, coro, metrics: Metrics):
+async def _until_disconnected(raw: Request, coro):
     """Run `coro`; if the client goes away first, cancel it (its generators abort the requests)."""
     task = asyncio.ensure_future(coro)
     while True:
@@ -322,7 +386,6 @@ async def _until_disconnected(raw: Request, coro, metrics: Metrics):
             return task.result()
         if await raw.is_disconnected():
             task.cancel()
-            metrics.count_abort()
             raise APIError(499, "client disconnected")
 
 
@@ -399,11 +462,15 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _stream_error(e: EngineDeadError | RequestFailedError) -> str:
-    """A stream that fails after its first byte (its request failed, or the engine died): the
-    status is sent, so the error travels as an event in OpenAI's error shape (then [DONE])
-    instead of a connection cut mid-stream."""
-    body = P.ErrorResponse(error=P.ErrorBody(message=str(e), type="internal_error", code=_ENGINE_ERRORS[type(e)]))
+_STREAM_ERRORS = tuple(_ENGINE_ERRORS)
+
+
+def _stream_error(e: Exception) -> str:
+    """A stream that fails after its first byte (its request failed or timed out, or the engine
+    died): the status is sent, so the error travels as an event in OpenAI's error shape (then
+    [DONE]) instead of a connection cut mid-stream."""
+    status, type_ = _ENGINE_ERRORS[type(e)]
+    body = P.ErrorResponse(error=P.ErrorBody(message=str(e), type=type_, code=status))
     return _data(body.model_dump()) + "data: [DONE]\n\n"
 
 
@@ -443,7 +510,7 @@ async def _completion_stream(rid, req, prompts, streams, firsts, params, model_n
             yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                          "choices": [], "usage": usage.model().model_dump()})
         yield "data: [DONE]\n\n"
-    except (EngineDeadError, RequestFailedError) as e:
+    except _STREAM_ERRORS as e:
         yield _stream_error(e)
     finally:
         await _close(streams)
@@ -478,7 +545,7 @@ async def _chat_stream(rid, req, stream, first, model_name, client) -> AsyncIter
             usage.add(out)
             yield _data({**base, "choices": [], "usage": usage.model().model_dump()})
         yield "data: [DONE]\n\n"
-    except (EngineDeadError, RequestFailedError) as e:
+    except _STREAM_ERRORS as e:
         yield _stream_error(e)
     finally:
         await stream.aclose()

@@ -67,8 +67,5 @@ class Metrics:
             if m.first_scheduled_time is not None:
                 self.queue.labels(**lb).observe(m.first_scheduled_time - m.arrival_time)
 
-    def count_abort(self, num: int = 1) -> None:
-        self.success.labels(**self.labels, finished_reason="abort").inc(num)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
