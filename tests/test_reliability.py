@@ -71,6 +71,7 @@ def post(base: str, path: str, body) -> httpx.Response:
 
 
 CHAT = [{"role": "user", "content": "Hi"}]
+DEEP = json.loads("[" * 40 + "]" * 40)
 HOSTILE = [  # the issue's list: each once took the engine down or answered 500
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "min_tokens": 1, "stop_token_ids": [999999]},
      "stop_token_ids"),
@@ -84,6 +85,19 @@ HOSTILE = [  # the issue's list: each once took the engine down or answered 500
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
                               "max_tokens": 4}, "messages"),
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "n": 1000}, "n"),
+    # resource bounds: what one request may make every token (or the templates) cost
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stop": [f"n{i}" for i in range(600_000)]}, "stop"),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stop": ["x" * 1025]}, "stop"),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 4, "stop_token_ids": [5] * 1025}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": ["Hi"] * 1025, "max_tokens": 1}, "prompt"),
+    ("/v1/chat/completions", {"messages": CHAT * 4097, "max_tokens": 1}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 1025}],
+                              "max_tokens": 1}, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "tools": [{"type": "function", "x": DEEP}]}, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1, "chat_template_kwargs": {"x": DEEP}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi", "name": DEEP}], "max_tokens": 1},
+     "messages"),
 ]
 
 
@@ -97,6 +111,16 @@ def test_hostile_input_is_a_400_naming_the_field_and_the_engine_keeps_serving(se
     ok = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "min_tokens": 3})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
     assert httpx.get(server + "/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_json_nested_past_the_parser_is_a_400_and_labels_stay_bounded(server):
+    r = post(server, "/v1/chat/completions", '{"messages": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    # a model name that is not served is a 404 and never becomes a metric label
+    r = post(server, "/v1/completions", {"model": "label-bomb-7f3a", "prompt": "Hi", "max_tokens": 1})
+    assert r.status_code == 404
+    assert "label-bomb" not in httpx.get(server + "/metrics", headers=headers()).text
 
 
 @pytest.mark.slow
@@ -205,3 +229,116 @@ def test_keys_are_checked_whole(server):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", auth
     for auth in (f"Bearer {KEY}", f"bearer {KEY}"):  # the scheme's case is free (RFC 7235)
         assert httpx.get(server + "/v1/models", headers={"Authorization": auth}).status_code == 200
+
+
+# ---------------------------------------------------------------- time limits and slow clients
+@pytest.fixture(scope="module")
+def limited_server():
+    proc, base = start_server("--request-timeout", "4", "--max-queue-time", "1", "--max-num-seqs", "1",
+                              "--client-timeout", "2", "--max-connections", "8", "--max-request-bytes", "4096")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
+
+
+@pytest.mark.slow
+def test_request_and_queue_time_limits(limited_server):
+    """One sequence runs at a time: a streaming request holds it, a second one waits past
+    --max-queue-time (503, never started), the stream runs past --request-timeout (an error event
+    after its tokens, then [DONE]), a non-streaming one past it gets 504; every one of them is
+    stopped in the engine (blocks back to idle, counted as aborted) and the server serves on."""
+    base = limited_server
+    idle = metric_of(base, "tokenmill:kv_cache_usage_perc")
+    aborted = metric_of(base, 'tokenmill:request_success_total{finished_reason="abort"')
+    with httpx.Client(base_url=base, timeout=120) as http:
+        t0 = time.monotonic()
+        with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as holder:
+            events = holder.iter_lines()
+            assert next(e for e in events if e.startswith("data:"))
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "server_overloaded", r.text
+            assert "--max-queue-time" in r.json()["error"]["message"]
+            rest = sse(events)
+        took = time.monotonic() - t0
+        assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][5:])["error"]["code"] == 504
+        assert json.loads(rest[-2][5:])["error"]["type"] == "timeout_error" and len(rest) > 5
+        assert 3.5 < took < 30
+        r = http.post("/v1/completions", json=LONG)
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"], r.text
+        ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert ok.status_code == 200
+    assert metric_of(base, "tokenmill:num_requests_running") == 0
+    assert metric_of(base, "tokenmill:kv_cache_usage_perc") == idle
+    assert metric_of(base, 'tokenmill:request_success_total{finished_reason="abort"') == aborted + 3
+
+
+def metric_of(base: str, name: str) -> float:
+    """A metric's value (0 before it is first set); `name` may include the start of a label set."""
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def _raw(base: str):
+    import socket
+    host, port = base.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=30)
+    return s
+
+
+def _closed_within(sock, seconds: float) -> tuple[bool, bytes]:
+    """Whether the server closes the connection within `seconds`; what it sent before."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+        return True, got
+    except TimeoutError:
+        return False, got
+    except ConnectionResetError:
+        return True, got
+
+
+@pytest.mark.slow
+def test_slow_and_oversized_clients_are_cut_off(limited_server):
+    base = limited_server
+    # a connection that sends nothing, and one that sends half a head (slowloris): closed after 2 s
+    idle, slow = _raw(base), _raw(base)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    t0 = time.monotonic()
+    assert _closed_within(idle, 10) == (True, b"") and _closed_within(slow, 10) == (True, b"")
+    assert 1.5 < time.monotonic() - t0 < 10
+    # a body that stops arriving: 408 after 2 s, and the connection is closed
+    s = _raw(base)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    closed, got = _closed_within(s, 10)
+    assert closed and got.startswith(b"HTTP/1.1 408") and b'"code":408' in got
+    # a chunked body past --max-request-bytes (no Content-Length to check up front): 413
+    def chunks():
+        for _ in range(8):
+            yield b"x" * 1024
+    r = httpx.post(base + "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    r = httpx.post(base + "/v1/completions", content=b"x" * 5000)
+    assert r.status_code == 413
+    # --max-connections 8: eight held connections, the ninth is closed at once; once they go, service resumes
+    held = [_raw(base) for _ in range(8)]
+    time.sleep(0.2)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(base + "/health", timeout=5)
+    for h in held:
+        h.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.1)
+    assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200

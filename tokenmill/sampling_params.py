@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 MIN_TEMPERATURE = 1e-2
 MAX_N = 128             # OpenAI's limit on parallel samples per request
 SEED_RANGE = (-2**63, 2**63 - 1)  # what a torch.Generator takes, for the parent's seed and each child's
+# Every generated token is checked against every stop string (and held back while it may be the
+# start of one), so their number and length are what one request can make each token cost.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LEN = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -53,7 +58,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}.")
+            return ValueError(f"{name} {why}, got {getattr(self, name)!r:.200}.")  # not a 600k-item echo
 
         def integer(name: str) -> bool:
             value = getattr(self, name)
@@ -94,9 +99,15 @@ class SamplingParams:
                 raise bad("seed", f"must be an integer in [{lo}, {hi}]" + (f" minus n - 1 = {self.n - 1}"
                                                                             if self.n > 1 else ""))
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}.")
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.200}.")
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop_strings)}")
+        if any(len(s) > MAX_STOP_LEN for s in self.stop_strings):
+            raise bad("stop", f"strings may be at most {MAX_STOP_LEN} characters long")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r:.200}.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
 
     @property
     def greedy(self) -> bool:

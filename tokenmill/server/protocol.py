@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -48,27 +48,57 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
 
+# Bounds on how much structure one request may carry (its bytes are capped by the server).
+MAX_MESSAGES = 4096
+MAX_CONTENT_PARTS = 1024
+MAX_PROMPTS = 1024  # prompts in one completions request; each becomes a request in the engine
+MAX_JSON_DEPTH = 32  # free-form JSON (template kwargs, tools, extra message fields) goes to templates
+
+
+def _shallow(value: Any) -> Any:
+    """Refuses free-form JSON nested deeper than MAX_JSON_DEPTH: templates and JSON encoders
+    recurse per level, and a few MiB of body can nest thousands of levels (beyond ~1000 the
+    parser itself refuses the body). Walks containers only, without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return value
+
+
+Json = Annotated[Any, AfterValidator(_shallow)]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Json]], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+
+    @model_validator(mode="after")
+    def _shallow_extras(self) -> "ChatMessage":
+        for value in (self.model_extra or {}).values():
+            _shallow(value)
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Json] | None = None
+    tools: list[dict[str, Json]] | None = None
 
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
