@@ -342,3 +342,31 @@ def test_slow_and_oversized_clients_are_cut_off(limited_server):
         except httpx.TransportError:
             time.sleep(0.1)
     assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.slow
+def test_metrics_need_the_key_unless_public_and_cors_is_off_unless_configured(server):
+    assert httpx.get(server + "/metrics").status_code == 401
+    assert httpx.get(server + "/health").status_code == 200
+    pre = httpx.options(server + "/v1/completions", headers={"Origin": "https://evil.example",
+                                                             "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in pre.headers
+    proc, base = start_server("--api-key", KEY, "--metrics-public", "--allowed-origins", "https://app.example")
+    try:
+        assert httpx.get(base + "/metrics").status_code == 200
+        assert httpx.get(base + "/v1/models").status_code == 401
+        ok = httpx.options(base + "/v1/chat/completions", headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.options(base + "/v1/chat/completions", headers={"Origin": "https://evil.example",
+                                                                       "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+        r = httpx.get(base + "/v1/models", headers={**headers(), "Origin": "https://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--allowed-origins", "app.example"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--allowed-origins" in r.stderr

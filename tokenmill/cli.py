@@ -125,6 +125,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for flag in ("max_queue_len", "max_connections", "max_request_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
+    for origin in args.allowed_origins or []:
+        if origin != "*" and not origin.startswith(("http://", "https://")) or origin.endswith("/"):
+            raise ValueError(f"--allowed-origins takes origins like https://app.example.com (or *), got {origin!r}.")
     env = os.environ.get("TOKENMILL_API_KEY", "")
     keys = list(args.api_key or []) + (env.split(",") if env else [])
     if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
@@ -137,7 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys,
                                          max_request_bytes=args.max_request_bytes,
-                                         client_timeout=args.client_timeout), metrics)
+                                         client_timeout=args.client_timeout, metrics_public=args.metrics_public,
+                                         allowed_origins=args.allowed_origins or []), metrics)
     from tokenmill import kernels
 
     cpu = ""
@@ -339,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name(s) clients use for the model (default: the model file name)")
     s.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (default: behind it when keys are set)")
+    s.add_argument("--allowed-origins", action="append", default=None,
+                   help="browser origins allowed by CORS, e.g. https://app.example.com (repeatable; default: none)")
     s.add_argument("--max-queue-len", type=int, default=1024,
                    help="waiting requests beyond which new ones get 503 (default: 1024)")
     s.add_argument("--graceful-shutdown-timeout", type=int, default=30,

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -40,6 +40,8 @@ class ServerConfig:
     api_keys: list[str]
     max_request_bytes: int = 8 << 20
     client_timeout: float = 30.0  # seconds a client has to send a request's body (its head: transport.py)
+    metrics_public: bool = False  # /metrics without the API key (for a scraper inside a trusted network)
+    allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless configured
 
 
 class APIError(Exception):
@@ -61,8 +63,13 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     model_name = config.served_model_names[0]
 
     # ------------------------------------------------------------ cross-cutting
+    open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
     app.add_middleware(_Guard, api_keys=set(config.api_keys), max_bytes=config.max_request_bytes,
-                       body_timeout=config.client_timeout)
+                       body_timeout=config.client_timeout, open_paths=open_paths)
+    if config.allowed_origins:  # outside the guard: browsers send CORS preflights without credentials
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -205,12 +212,12 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from handlers):
-    API key on every route but /health, and the request body read here, whole, before any handler
+    API key on every route but the open ones (/health; /metrics if public), and the request body read here, whole, before any handler
     runs: at most `max_bytes` whether declared (Content-Length) or chunked, within `body_timeout`
     seconds, so a client that sends slowly or without end holds nothing beyond that."""
 
-    def __init__(self, app, api_keys: set[str], max_bytes: int, body_timeout: float) -> None:
-        self.app, self.max_bytes, self.body_timeout = app, max_bytes, body_timeout
+    def __init__(self, app, api_keys: set[str], max_bytes: int, body_timeout: float, open_paths: set[str]) -> None:
+        self.app, self.max_bytes, self.body_timeout, self.open_paths = app, max_bytes, body_timeout, open_paths
         self.api_keys = [k.encode() for k in api_keys]
 
     def _authorized(self, auth: str) -> bool:
@@ -226,7 +233,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.api_keys and scope["path"] != "/health":
+        if self.api_keys and scope["path"] not in self.open_paths:
             if not self._authorized(hdrs.get("authorization", "")):
                 resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       "authentication_error")
