@@ -370,3 +370,39 @@ def test_metrics_need_the_key_unless_public_and_cors_is_off_unless_configured(se
     r = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--allowed-origins", "app.example"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--allowed-origins" in r.stderr
+
+
+# ---------------------------------------------------------------- one client's work and the others
+@pytest.mark.slow
+def test_batch_prompts_stream_together_and_a_queued_request_whose_client_left_is_never_prefilled():
+    proc, base = start_server("--max-num-seqs", "1")
+    try:
+        # three prompts in one request: their chunks interleave (all three read at once) ...
+        with httpx.Client(base_url=base, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": ["A", "B", "C"],
+                                                               "max_tokens": 6, "ignore_eos": True,
+                                                               "stream": True}) as r:
+                order = [json.loads(e[5:])["choices"][0]["index"] for e in sse(r.iter_lines())
+                         if e != "data: [DONE]"]
+        assert sorted(set(order)) == [0, 1, 2] and len(order) == 18
+        # ... which here (one sequence at a time) means one after another, each complete
+        assert order == sorted(order)
+        prompt_tokens = metric_of(base, "tokenmill:prompt_tokens_total")
+        with httpx.Client(base_url=base, timeout=120) as http:
+            with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as holder:
+                events = holder.iter_lines()
+                assert next(e for e in events if e.startswith("data:"))
+                # a request queued behind it, whose client gives up after half a second
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "word " * 300,
+                                                               "max_tokens": 2}, timeout=0.5)
+                time.sleep(1.0)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and metric_of(base, "tokenmill:num_requests_running") != 0:
+            time.sleep(0.2)
+        assert metric_of(base, "tokenmill:num_requests_waiting") == 0
+        # only the holder's prompt (5 tokens) was ever prefilled; the queued one's 300 never were
+        assert metric_of(base, "tokenmill:prompt_tokens_total") - prompt_tokens < 50
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

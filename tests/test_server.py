@@ -328,3 +328,15 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(server, client):
     assert second.choices[0].text == first.choices[0].text
     assert metric(server, "tokenmill:prefix_cache_hits_total") >= hits + cached
     assert metric(server, "tokenmill:prefix_cache_queries_total") > 0
+
+
+def test_a_prompt_list_streams_its_prompts_together(server):
+    """Every prompt of a list is read as it generates (chunks interleave), not one prompt after the
+    other while the rest queue their outputs."""
+    with httpx.Client(base_url=server, timeout=120, headers=headers()) as http:
+        with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": ["A", "B", "C"], "max_tokens": 8,
+                                                           "ignore_eos": True, "stream": True}) as r:
+            order = [json.loads(line[6:])["choices"][0]["index"] for line in r.iter_lines()
+                     if line.startswith("data: {")]
+    assert sorted(order) == [0] * 8 + [1] * 8 + [2] * 8
+    assert order.index(2) < len(order) - 1 - order[::-1].index(0)  # index 2 starts before index 0 ends

@@ -108,9 +108,9 @@ class AsyncEngine:
         deadlines = (now + (self.request_timeout or math.inf), now + (self.max_queue_time or math.inf))
         self._cmds.put(("add", req_id, prompt, params, priority, added, (loop, out_q), deadlines))
         self._wake.set()
-        await asyncio.wrap_future(added)  # raises the engine's ValueError for a bad request
         finished = False
-        try:
+        try:  # from here on a caller that goes away (cancellation) aborts the request, even mid-add
+            await asyncio.wrap_future(added)  # raises the engine's ValueError for a bad request
             while True:
                 item = await out_q.get()
                 if isinstance(item, BaseException):

@@ -6,6 +6,7 @@ error body with the right status; a client that goes away aborts its request in 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -162,10 +163,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams = [client.generate(f"{rid}-{i}", p, params, req.priority) for i, p in enumerate(prompts)]
-        firsts = await _start_all(streams)
+        firsts = await _until_disconnected(raw, _start_all(streams), streams)  # gone while queued: never prefilled
         if req.stream:
             return _sse(_completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
-        finals = await _until_disconnected(raw, _collect_all(streams, firsts))
+        finals = await _until_disconnected(raw, _collect_all(streams, firsts), streams)
         choices, usage, timings = [], _Usage(), None
         for pi, (prompt, out) in enumerate(zip(prompts, finals)):
             usage.add(out)
@@ -195,10 +196,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         params = _sampling_params(req, max_tokens, top if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = client.generate(rid, ids, params, req.priority)
-        first = (await _start_all([stream]))[0]
+        first = (await _until_disconnected(raw, _start_all([stream]), [stream]))[0]
         if req.stream:
             return _sse(_chat_stream(rid, req, stream, first, model_name, client))
-        out = (await _until_disconnected(raw, _collect_all([stream], [first])))[0]
+        out = (await _until_disconnected(raw, _collect_all([stream], [first]), [stream]))[0]
         usage = _Usage()
         usage.add(out)
         choices = [P.ChatChoice(index=o.index, message=P.ChatResponseMessage(content=o.text),
@@ -376,24 +377,67 @@ async def _close(streams) -> None:
 
 
 async def _collect_all(streams, firsts) -> list[RequestOutput]:
-    finals = []
-    for s, last in zip(streams, firsts):
-        while not last.finished:
-            last = await s.__anext__()
-        finals.append(last)
-    return finals
+    """Every stream's final output. All are read at once: a stream read later would meanwhile
+    queue one output (a snapshot of its whole text) per token."""
+    async def last(s, out):
+        while not out.finished:
+            out = await s.__anext__()
+        return out
+    return list(await asyncio.gather(*(last(s, f) for s, f in zip(streams, firsts))))
 
 
-async def _until_disconnected(raw: Request, coro):
-    """Run `coro`; if the client goes away first, cancel it (its generators abort the requests)."""
+async def _merged(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) as outputs arrive on any stream, each stream's first output first;
+    every stream is read at once, for the same reason as in _collect_all."""
+    if len(streams) == 1:  # the common case, without a task and a queue per token
+        out = firsts[0]
+        yield 0, out
+        while not out.finished:
+            out = await streams[0].__anext__()
+            yield 0, out
+        return
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s, out: RequestOutput) -> None:
+        try:
+            arrived.put_nowait((i, out))
+            while not out.finished:
+                out = await s.__anext__()
+                arrived.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+            arrived.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await arrived.get()
+            if isinstance(item, Exception):
+                raise item
+            left -= item.finished
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnected(raw: Request, coro, streams):
+    """Run `coro` over `streams`; if the client goes away first (or this handler is cancelled),
+    cancel it and close the streams, which aborts their requests — queued ones before prefill."""
     task = asyncio.ensure_future(coro)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=0.25)
-        if done:
-            return task.result()
-        if await raw.is_disconnected():
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise APIError(499, "client disconnected")
+    finally:
+        if not task.done():
             task.cancel()
-            raise APIError(499, "client disconnected")
+            await asyncio.gather(task, return_exceptions=True)
+            await _close(streams)
 
 
 # ---------------------------------------------------------------- responses
@@ -486,14 +530,15 @@ async def _completion_stream(rid, req, prompts, streams, firsts, params, model_n
     usage = _Usage()
     sent_tokens: dict[int, int] = {}
     try:
-        for pi, (s, first) in enumerate(zip(streams, firsts)):
-            out = first
-            if req.echo and isinstance(prompts[pi], str):
-                for i in range(params.n):
-                    yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
-                                 "choices": [{"index": pi * params.n + i, "text": prompts[pi], "logprobs": None,
-                                              "finish_reason": None}]})
-            while True:
+        if req.echo:
+            for pi, prompt in enumerate(prompts):
+                if isinstance(prompt, str):
+                    for i in range(params.n):
+                        yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
+                                     "choices": [{"index": pi * params.n + i, "text": prompt, "logprobs": None,
+                                                  "finish_reason": None}]})
+        async with contextlib.aclosing(_merged(streams, firsts)) as merged:  # its readers stop before _close
+            async for pi, out in merged:
                 for o in out.outputs:
                     idx = pi * params.n + o.index
                     start = sent_tokens.get(idx, 0)
@@ -511,8 +556,6 @@ async def _completion_stream(rid, req, prompts, streams, firsts, params, model_n
                     yield _data(chunk)
                 if out.finished:
                     usage.add(out)
-                    break
-                out = await s.__anext__()
         if req.stream_options and req.stream_options.include_usage:
             yield _data({"id": rid, "object": "text_completion", "created": created, "model": model_name,
                          "choices": [], "usage": usage.model().model_dump()})
