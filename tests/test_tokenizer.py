@@ -93,3 +93,18 @@ def test_sentencepiece_gguf_vocabulary_matches_hugging_face(tmp_path):
         assert ids == ref(text)["input_ids"], text
         assert ids[0] == 1  # BOS, as the file asks
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_sentencepiece_merges_skip_what_no_split_can_build():
+    """Loading is linear in the vocabulary: a piece of two million characters (a hostile file)
+    costs its length a few times, not its length squared, and changes no other merge."""
+    from tokenmill.models.tokenizer import _sentencepiece_bpe
+
+    pieces = ["<unk>", "▁", "a", "b", "ab", "▁a", "▁ab", "ba", "bab"]
+    types = [2] + [1] * (len(pieces) - 1)
+    plain = _sentencepiece_bpe(pieces, [0.0] + [-float(i) for i in range(1, len(pieces))], types)
+    huge = "ab" * 1_000_000
+    hostile = _sentencepiece_bpe(pieces + [huge], [0.0] + [-float(i) for i in range(1, len(pieces) + 1)],
+                                 types + [1])
+    for text in ["ab ba bab", "a b ab", "abababab"]:
+        assert hostile.encode(text).ids == plain.encode(text).ids

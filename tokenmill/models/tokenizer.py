@@ -26,6 +26,10 @@ _PRE_SPLITS = {
     "smaug-bpe": [_LLAMA3_SPLIT], "qwen2": [_QWEN2_SPLIT], "deepseek-r1-qwen": [_QWEN2_SPLIT],
 }
 _CONTROL, _USER_DEFINED = 3, 4
+# SentencePiece pieces longer than this are not built from merges (only matched whole, as added or
+# byte-fallback text would be): real vocabularies' pieces are far shorter, and the bound keeps
+# loading a hostile file linear in its size
+_MAX_MERGED_LEN = 256
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -49,10 +53,61 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.chat_template = chat_template_src
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        # an upper bound on the characters one token decodes to (byte-level spellings are one
+        # character per byte, byte-fallback pieces "<0x41>" six): N tokens never hold more text
+        # than N times this, so longer prompts can be refused before they are tokenized
+        self.max_token_chars = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
+        self.special_tokens = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special),
+                                     key=len, reverse=True)
+        self._as_text: HFTokenizer | None = None  # a copy that reads special-token text as plain text
 
     # ------------------------------------------------------------------ use
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. `split_special_tokens`: special-token text ("<|im_start|>") is
+        tokenized as the characters it is made of, not as the control token (Hugging Face's name).
+        Goes through `encode_batch`, which releases the GIL: a long prompt tokenizing on a worker
+        thread does not stall the server's event loop or the engine thread."""
+        tok = self.tok
+        if split_special_tokens and self.special_tokens:
+            if self._as_text is None:
+                self._as_text = HFTokenizer.from_str(self.tok.to_str())
+                self._as_text.encode_special_tokens = True
+            tok = self._as_text
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    template_kwargs: dict | None = None, split_special_tokens: bool = True) -> list[int]:
+        """The rendered conversation's token ids. With `split_special_tokens` (the default), special-
+        token text inside the messages is read as text, so a user cannot forge a turn by typing
+        "<|im_start|>system"; the template's own control tokens stay control tokens. Where no
+        message holds such text (nearly always) the ids are exactly those of the rendered string."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        fields = [(i, k) for i, m in enumerate(messages) for k, v in m.items()
+                  if k != "role" and isinstance(v, str) and any(t in v for t in self.special_tokens)]
+        if not split_special_tokens or not fields:
+            return self.encode(text, add_special_tokens=False)
+        # render again with that text masked by as many private-use characters: where the two
+        # renderings differ is where message text put special-token text
+        masked = [dict(m) for m in messages]
+        for i, k in fields:
+            for t in self.special_tokens:
+                masked[i][k] = masked[i][k].replace(t, "\ue000" * len(t))
+        shadow = self.apply_chat_template(masked, add_generation_prompt, tools, template_kwargs)
+        if len(shadow) != len(text):
+            raise ValueError("messages contain special-token text that this model's chat template rewrites; "
+                             "remove it, or send split_special_tokens=false to let it act as control tokens.")
+        ids, start, i = [], 0, 0
+        while i < len(text):
+            if shadow[i] == "\ue000" and text[i] != "\ue000":
+                j = i
+                while j < len(text) and shadow[j] == "\ue000" and text[j] != "\ue000":
+                    j += 1
+                ids += self.encode(text[start:i], add_special_tokens=False)
+                ids += self.encode(text[i:j], add_special_tokens=False, split_special_tokens=True)
+                start = i = j
+            else:
+                i += 1
+        return ids + self.encode(text[start:], add_special_tokens=False)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -162,8 +217,15 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], types: list[int])
     by the merged token's score (what SentencePiece's BPE does at encode time)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
+    lengths = sorted({len(t) for t in tokens})
     for t, score in zip(tokens, scores):
-        for k in range(1, len(t)):
+        # both halves are tokens, so only split points at token lengths are candidates: a file
+        # with one enormous token costs its length once, not its length squared
+        if len(t) > _MAX_MERGED_LEN:
+            continue
+        for k in lengths:
+            if k >= len(t):
+                break
             left, right = t[:k], t[k:]
             if left in vocab and right in vocab:
                 merges.append((score, vocab[left], vocab[right], left, right))

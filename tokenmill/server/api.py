@@ -6,6 +6,7 @@ error body with the right status; a client that goes away aborts its request in 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -133,6 +134,13 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenmill-tokenize")
+
+    async def off_loop(fn, *args):
+        """Template rendering and tokenization run on worker threads (tokenizers releases the
+        GIL): a prompt of megabytes does not stall /health and every stream while it tokenizes."""
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
     @app.post("/tokenize")
     async def tokenize(req: P.TokenizeRequest):
         check_model(req.model)
@@ -140,11 +148,15 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
         if req.messages is not None:
-            text = _render_chat(tok, req.messages, req.add_generation_prompt, None, None)
-            ids = tok.encode(text, add_special_tokens=False)
+            split = True if req.split_special_tokens is None else req.split_special_tokens
+            ids = await off_loop(_chat_ids, tok, _conversation(req.messages), req.add_generation_prompt, None, None,
+                                 split, None)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return {"count": len(ids), "max_model_len": client.max_model_len, "tokens": ids}
+            ids = await off_loop(_prompt_ids, tok, req.prompt, req.add_special_tokens, bool(req.split_special_tokens),
+                                 None)
+        body = await off_loop(lambda: json.dumps({"count": len(ids), "max_model_len": client.max_model_len,
+                                                  "tokens": ids}).encode())  # a million ids: not on the loop
+        return Response(body, media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(req: P.DetokenizeRequest):
@@ -162,7 +174,11 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         prompts = _completion_prompts(req.prompt)
         params = _sampling_params(req, req.max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        streams = [client.generate(f"{rid}-{i}", p, params, req.priority) for i, p in enumerate(prompts)]
+        ids = prompts
+        if client.tokenizer is not None and any(isinstance(p, str) for p in prompts):
+            ids = [await off_loop(_prompt_ids, client.tokenizer, p, True, req.split_special_tokens,
+                                  client.max_model_len) if isinstance(p, str) else p for p in prompts]
+        streams = [client.generate(f"{rid}-{i}", p, params, req.priority) for i, p in enumerate(ids)]
         firsts = await _until_disconnected(raw, _start_all(streams), streams)  # gone while queued: never prefilled
         if req.stream:
             return _sse(_completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
@@ -185,8 +201,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         tok = tokenizer()
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
-        text = _render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs, req.tools)
-        ids = tok.encode(text, add_special_tokens=False)
+        ids = await off_loop(_chat_ids, tok, _conversation(req.messages), req.add_generation_prompt,
+                             req.chat_template_kwargs, req.tools, req.split_special_tokens, client.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, client.max_model_len - len(ids))
@@ -332,7 +348,35 @@ def _completion_prompts(prompt) -> list[str | list[int]]:
     return list(prompt)
 
 
-def _render_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool, kwargs, tools) -> str:
+def _prompt_ids(tok, text: str, add_special_tokens: bool, split_special_tokens: bool,
+                max_model_len: int | None) -> list[int]:
+    """A prompt's ids (on a worker thread); one that cannot fit max_model_len even at the
+    vocabulary's longest token is refused without tokenizing it."""
+    if max_model_len is not None and len(text) > max_model_len * tok.max_token_chars:
+        raise APIError(400, f"the prompt has {len(text)} characters, more than the model's context of "
+                            f"{max_model_len} tokens can hold (no token is longer than {tok.max_token_chars} "
+                            f"characters); shorten the prompt.", param="prompt")
+    return tok.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)
+
+
+def _chat_ids(tok, conv: list[dict], add_generation_prompt: bool, kwargs, tools, split_special_tokens: bool,
+              max_model_len: int | None) -> list[int]:
+    """The conversation's ids (on a worker thread), bounded like _prompt_ids."""
+    if max_model_len is not None:
+        chars = sum(len(v) for m in conv for v in m.values() if isinstance(v, str))
+        if chars > max_model_len * tok.max_token_chars:
+            raise APIError(400, f"the messages have {chars} characters, more than the model's context of "
+                                f"{max_model_len} tokens can hold (no token is longer than {tok.max_token_chars} "
+                                f"characters); shorten them.", param="messages")
+    try:
+        return tok.encode_chat(conv, add_generation_prompt, tools, kwargs, split_special_tokens)
+    except ValueError as e:
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=param) from None
+
+
+def _conversation(messages: list[P.ChatMessage]) -> list[dict]:
+    """The request's messages as the template sees them (roles checked, text parts joined)."""
     allowed = {"system", "user", "assistant", "tool", "developer"}
     conv = []
     for i, m in enumerate(messages):
@@ -347,12 +391,7 @@ def _render_chat(tok, messages: list[P.ChatMessage], add_generation_prompt: bool
                 raise APIError(400, f"messages[{i}]: a text content part's text must be a string", param="messages")
             content = "".join(texts)
         conv.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
-    try:
-        return tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tools=tools,
-                                       template_kwargs=kwargs)
-    except ValueError as e:
-        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
-        raise APIError(400, str(e), param=param) from None
+    return conv
 
 
 async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:

@@ -46,6 +46,9 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    # the prompt is the client's own template: its special-token text acts as control tokens
+    # unless this says to read it as text (Hugging Face's name)
+    split_special_tokens: bool = False
 
 
 # Bounds on how much structure one request may carry (its bytes are capped by the server).
@@ -93,6 +96,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Json] | None = None
     tools: list[dict[str, Json]] | None = None
+    # special-token text inside messages is read as text, so no message can forge a turn;
+    # false lets it act as control tokens
+    split_special_tokens: bool = True
 
 
 class TokenizeRequest(BaseModel):
@@ -101,6 +107,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    split_special_tokens: bool | None = None  # default: as the route it stands for (prompt False, messages True)
 
 
 class DetokenizeRequest(BaseModel):
