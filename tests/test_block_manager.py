@@ -187,3 +187,22 @@ def test_random_operations_keep_integrity_and_cache_content(ops):
             bm.free(r)
             reqs[i] = None
         bm.check_integrity([x for x in reqs if x is not None])
+
+
+def test_a_cache_salt_is_a_namespace_of_its_own():
+    bm = BlockManager(num_blocks=16, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+
+    def salted(i: int, salt: str | None) -> Request:
+        return Request(f"s{i}", tokens, SamplingParams(), set(), cache_salt=salt)
+
+    a = salted(0, "tenant-a")
+    compute(bm, a)
+    assert bm.find_cached_prefix(salted(1, "tenant-a")) == a.block_table[:2]
+    assert bm.find_cached_prefix(salted(2, "tenant-b")) == []
+    assert bm.find_cached_prefix(salted(3, None)) == []
+    plain = salted(4, None)
+    compute(bm, plain)
+    assert bm.find_cached_prefix(salted(5, None)) == plain.block_table[:2]
+    assert bm.find_cached_prefix(salted(6, "tenant-b")) == []
+    bm.check_integrity([a, plain])

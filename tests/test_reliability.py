@@ -445,3 +445,33 @@ def test_megabytes_of_prompt_tokenize_off_the_event_loop(server):
     assert done[0].status_code == 200 and done[0].json()["count"] > 1_000_000 and answered >= 3
     r = post(server, "/v1/completions", {"prompt": text, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "characters" in r.text
+
+
+@pytest.mark.slow
+def test_cache_salt_keeps_tenants_from_seeing_each_others_prefixes(server):
+    """cached_tokens (and time to first token) would tell a client whether anyone sent a prefix
+    lately; a salt confines cache hits to requests with the same one."""
+    prompt = "Tenant secret: the launch code is 4417. " * 8
+
+    def cached(**extra) -> int:
+        r = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached(cache_salt="tenant-a")
+    assert cached(cache_salt="tenant-a") > 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert post(server, "/v1/completions", {"prompt": "x", "cache_salt": ""}).json()["error"]["param"] == "cache_salt"
+    keys = "key-one,key-two"
+    proc, base = start_server("--cache-salt-from-api-key", env_key=keys)
+    try:
+        def as_key(key: str) -> int:
+            r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 1},
+                           headers={"Authorization": f"Bearer {key}"}, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        as_key("key-one")
+        assert as_key("key-one") > 0 and as_key("key-two") == 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -133,6 +133,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
         raise ValueError("--api-key must not be empty, nor any comma-separated entry of TOKENMILL_API_KEY.")
     keys = [k.strip() for k in keys]
+    if args.cache_salt_from_api_key and not keys:
+        raise ValueError("--cache-salt-from-api-key needs API keys (--api-key or TOKENMILL_API_KEY).")
     engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
     names = args.served_model_name or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
@@ -141,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys,
                                          max_request_bytes=args.max_request_bytes,
                                          client_timeout=args.client_timeout, metrics_public=args.metrics_public,
-                                         allowed_origins=args.allowed_origins or []), metrics)
+                                         allowed_origins=args.allowed_origins or [],
+                                         cache_salt_from_api_key=args.cache_salt_from_api_key), metrics)
     from tokenmill import kernels
 
     cpu = ""
@@ -345,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (default: behind it when keys are set)")
+    s.add_argument("--cache-salt-from-api-key", action="store_true",
+                   help="give each API key its own prefix cache (no tenant can probe another's prompts through "
+                        "cache hits); needs --api-key")
     s.add_argument("--allowed-origins", action="append", default=None,
                    help="browser origins allowed by CORS, e.g. https://app.example.com (repeatable; default: none)")
     s.add_argument("--max-queue-len", type=int, default=1024,

@@ -9,6 +9,8 @@ several requests can share one; a block whose count drops to zero goes back to t
 Prefix caching: once a block is full of computed (final) tokens it gets a key,
 `(parent block's key id, its token ids)` — a chain that identifies the whole prefix. Keys are
 compared by value (dict lookup), so two different prefixes can never alias, whatever their hash.
+A request's `cache_salt` becomes part of its first block's parent: requests with different salts
+(tenants) never share a block, so none can learn from cache hits what another one sent.
 A freed block keeps its key and content while it waits in the free list; a later request with the
 same prefix takes it back instead of recomputing it. Eviction is least-recently-freed first, and
 blocks with no key (nothing worth keeping) are handed out before any cached one:
@@ -22,7 +24,7 @@ from collections import OrderedDict
 
 from tokenmill.core.request import Request
 
-BlockKey = tuple[int, tuple[int, ...]]  # (parent key id, token ids of the block)
+BlockKey = tuple[int | tuple[int, str], tuple[int, ...]]  # (parent key id or salted root, token ids of the block)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,6 +48,10 @@ class BlockManager:
         self.num_queries = 0   # prompt tokens looked up
         self.num_hits = 0      # of those, found in the cache
 
+    def _root(self, req: Request) -> int | tuple[int, str]:
+        """The parent of a request's first block: the manager's root, salted per request."""
+        return self.root_id if req.cache_salt is None else (self.root_id, req.cache_salt)
+
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
@@ -62,7 +68,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
-        hits, parent = [], self.root_id
+        hits, parent = [], self._root(req)
         for i in range((req.num_tokens - 1) // bs):
             block = self.cached.get((parent, tuple(req.token_ids[i * bs:(i + 1) * bs])))
             if block is None:
@@ -121,7 +127,7 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(req.num_computed_tokens // bs, len(req.block_table))
-        parent = req.block_hashes[-1] if req.block_hashes else self.root_id
+        parent = req.block_hashes[-1] if req.block_hashes else self._root(req)
         for i in range(len(req.block_hashes), num_full):
             block = req.block_table[i]
             key = (parent, tuple(req.token_ids[i * bs:(i + 1) * bs]))

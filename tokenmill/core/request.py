@@ -22,8 +22,10 @@ class Request:
     """
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0) -> None:
+                 eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0,
+                 cache_salt: str | None = None) -> None:
         self.req_id = req_id
+        self.cache_salt = cache_salt  # prefix-cache namespace: only requests with the same salt share blocks
         self.priority = priority  # lower runs first under the priority policy
         self.arrival_seq = 0      # set by the scheduler: ties in priority go to the earlier request
         self.params = params

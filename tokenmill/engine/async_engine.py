@@ -49,7 +49,7 @@ class EngineClient(Protocol):
     max_model_len: int
 
     def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine thread plus the scheduler's queue."""
@@ -92,7 +92,7 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- event-loop side
     async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError("the engine has stopped after an internal error")
         with self._lock:
@@ -106,7 +106,7 @@ class AsyncEngine:
         added: concurrent.futures.Future = concurrent.futures.Future()
         now = time.monotonic()
         deadlines = (now + (self.request_timeout or math.inf), now + (self.max_queue_time or math.inf))
-        self._cmds.put(("add", req_id, prompt, params, priority, added, (loop, out_q), deadlines))
+        self._cmds.put(("add", req_id, prompt, params, priority, cache_salt, added, (loop, out_q), deadlines))
         self._wake.set()
         finished = False
         try:  # from here on a caller that goes away (cancellation) aborts the request, even mid-add
@@ -193,9 +193,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, req_id, prompt, params, priority, added, target, deadlines = cmd
+                _, req_id, prompt, params, priority, cache_salt, added, target, deadlines = cmd
                 try:
-                    self.engine.add_request(req_id, prompt, params, priority=priority)
+                    self.engine.add_request(req_id, prompt, params, priority=priority, cache_salt=cache_salt)
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
                     with self._lock:
                         self._pending_adds -= 1

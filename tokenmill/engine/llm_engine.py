@@ -95,8 +95,12 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        """`cache_salt`: requests share cached prefix blocks only with requests of the same salt
+        (vLLM's field; one per tenant keeps tenants from probing each other's prompts)."""
         params = params or SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.100}.")
         if req_id in self.parents:
             raise ValueError(f"request id {req_id!r} is already in use.")
         text, ids = self._tokenize(prompt)
@@ -109,7 +113,7 @@ class LLMEngine:
         parent = _Parent(req_id, text, ids, [], [], [])
         for i, p in enumerate(params_list):
             child_id = req_id if params.n == 1 else f"{req_id}#{i}"
-            req = Request(child_id, ids, p, self.eos_token_ids, arrival_time, priority)
+            req = Request(child_id, ids, p, self.eos_token_ids, arrival_time, priority, cache_salt)
             parent.children.append(req)
             parent.detoks.append(DetokState(self.tokenizer, ids, p) if self.tokenizer else None)
             parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import hmac
 import json
 import logging
@@ -44,6 +45,7 @@ class ServerConfig:
     client_timeout: float = 30.0  # seconds a client has to send a request's body (its head: transport.py)
     metrics_public: bool = False  # /metrics without the API key (for a scraper inside a trusted network)
     allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless configured
+    cache_salt_from_api_key: bool = False  # each API key its own prefix-cache namespace
 
 
 class APIError(Exception):
@@ -67,7 +69,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     # ------------------------------------------------------------ cross-cutting
     open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
     app.add_middleware(_Guard, api_keys=set(config.api_keys), max_bytes=config.max_request_bytes,
-                       body_timeout=config.client_timeout, open_paths=open_paths)
+                       body_timeout=config.client_timeout, open_paths=open_paths,
+                       salt_by_key=config.cache_salt_from_api_key)
     if config.allowed_origins:  # outside the guard: browsers send CORS preflights without credentials
         from fastapi.middleware.cors import CORSMiddleware
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
@@ -178,7 +181,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         if client.tokenizer is not None and any(isinstance(p, str) for p in prompts):
             ids = [await off_loop(_prompt_ids, client.tokenizer, p, True, req.split_special_tokens,
                                   client.max_model_len) if isinstance(p, str) else p for p in prompts]
-        streams = [client.generate(f"{rid}-{i}", p, params, req.priority) for i, p in enumerate(ids)]
+        salt = _cache_salt(raw, req.cache_salt)
+        streams = [client.generate(f"{rid}-{i}", p, params, req.priority, salt) for i, p in enumerate(ids)]
         firsts = await _until_disconnected(raw, _start_all(streams), streams)  # gone while queued: never prefilled
         if req.stream:
             return _sse(_completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
@@ -211,7 +215,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         params = _sampling_params(req, max_tokens, top if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = client.generate(rid, ids, params, req.priority)
+        stream = client.generate(rid, ids, params, req.priority, _cache_salt(raw, req.cache_salt))
         first = (await _until_disconnected(raw, _start_all([stream]), [stream]))[0]
         if req.stream:
             return _sse(_chat_stream(rid, req, stream, first, model_name, client))
@@ -233,28 +237,37 @@ class _Guard:
     runs: at most `max_bytes` whether declared (Content-Length) or chunked, within `body_timeout`
     seconds, so a client that sends slowly or without end holds nothing beyond that."""
 
-    def __init__(self, app, api_keys: set[str], max_bytes: int, body_timeout: float, open_paths: set[str]) -> None:
+    def __init__(self, app, api_keys: set[str], max_bytes: int, body_timeout: float, open_paths: set[str],
+                 salt_by_key: bool = False) -> None:
         self.app, self.max_bytes, self.body_timeout, self.open_paths = app, max_bytes, body_timeout, open_paths
-        self.api_keys = [k.encode() for k in api_keys]
+        self.api_keys = [k.encode() for k in sorted(api_keys)]
+        # a key's prefix-cache namespace: a digest, so the key itself is kept nowhere else
+        self.salts = [hashlib.sha256(b"tokenmill-cache-salt\0" + k).hexdigest()[:32] for k in self.api_keys]
+        self.salt_by_key = salt_by_key
 
-    def _authorized(self, auth: str) -> bool:
-        """Constant-time against every key: how long a wrong key takes says nothing about a right one."""
+    def _authorized(self, auth: str) -> int | None:
+        """The index of the key sent, or None. Constant-time against every key: how long a wrong
+        key takes says nothing about a right one."""
         scheme, _, token = auth.partition(" ")
         given = token.strip().encode("latin-1") if scheme.lower() == "bearer" else b""  # RFC 7235: any case
-        ok = False
-        for key in self.api_keys:
-            ok |= hmac.compare_digest(given, key)
-        return ok and bool(given)
+        found = None
+        for i, key in enumerate(self.api_keys):
+            if hmac.compare_digest(given, key):
+                found = i
+        return found if given else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         hdrs = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if self.api_keys and scope["path"] not in self.open_paths:
-            if not self._authorized(hdrs.get("authorization", "")):
+            key = self._authorized(hdrs.get("authorization", ""))
+            if key is None:
                 resp = error_response(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                       "authentication_error")
                 return await resp(scope, receive, send)
+            if self.salt_by_key:
+                scope[_KEY_SALT] = self.salts[key]
         length = hdrs.get("content-length", "")
         if length.isdigit() and int(length) > self.max_bytes:
             return await _closing(413, f"request body of {length} bytes exceeds the limit of {self.max_bytes} "
@@ -286,6 +299,18 @@ class _Guard:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+_KEY_SALT = "tokenmill.key_salt"  # ASGI scope entry: the prefix-cache namespace of the key used
+
+
+def _cache_salt(raw: Request, asked: str | None) -> str | None:
+    """The request's prefix-cache namespace: its key's (with --cache-salt-from-api-key), then its
+    own cache_salt within it."""
+    key = raw.scope.get(_KEY_SALT)
+    if key is None:
+        return asked
+    return key if asked is None else f"{key}/{asked}"
 
 
 class _BodyTooLarge(Exception):

@@ -39,6 +39,7 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int = 0  # lower goes first under --scheduling-policy priority; ignored under fcfs
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache namespace (vLLM)
 
 
 class CompletionRequest(_SamplingFields):
