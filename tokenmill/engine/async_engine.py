@@ -146,29 +146,33 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- engine thread
     def _run(self) -> None:
-        engine = self.engine
-        while not self._stopped:
-            self._drain_commands()
-            if self._deadlines:
-                self._expire(time.monotonic())
-            if not engine.has_unfinished_requests():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - a broken step must fail requests, not hang them
-                log.exception("engine step failed; the engine stops")
-                self._dead = e
-                self._fail_all(EngineDeadError("the engine has stopped after an internal error"))
-                if self.on_dead is not None:
-                    self.on_dead(e)
-                return
-            self._engine_waiting = len(engine.scheduler.waiting)
-            self._deliver(outputs)
-            if self.stat_logger is not None:
-                self.stat_logger(engine.last_stats)
+        try:
+            while not self._stopped:
+                self._turn()
+        except Exception as e:  # noqa: BLE001 - whatever breaks the loop fails requests, never hangs them
+            log.exception("engine step failed; the engine stops")
+            self._dead = e
+            self._fail_all(EngineDeadError("the engine has stopped after an internal error"))
+            if self.on_dead is not None:
+                self.on_dead(e)
+            return
         self._fail_all(EngineDeadError("the engine is shutting down"))
+
+    def _turn(self) -> None:
+        """One pass of the engine thread: commands, time limits, then a step if there is work."""
+        engine = self.engine
+        self._drain_commands()
+        if self._deadlines:
+            self._expire(time.monotonic())
+        if not engine.has_unfinished_requests():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            return
+        outputs = engine.step()
+        self._engine_waiting = len(engine.scheduler.waiting)
+        self._deliver(outputs)
+        if self.stat_logger is not None:
+            self.stat_logger(engine.last_stats)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their event loops, one wake-up per loop and step: a call per
@@ -199,7 +203,7 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
                     with self._lock:
                         self._pending_adds -= 1
-                    added.set_exception(e)
+                    _settle(added, error=e)
                     continue
                 self._streams[req_id] = target
                 if deadlines != (math.inf, math.inf):
@@ -207,7 +211,7 @@ class AsyncEngine:
                 with self._lock:
                     self._pending_adds -= 1
                     self._engine_waiting = len(self.engine.scheduler.waiting)
-                added.set_result(None)
+                _settle(added)  # a caller that left meanwhile has queued an abort behind this add
             else:
                 self._abort(cmd[1])
 
@@ -241,6 +245,17 @@ class AsyncEngine:
         for loop, out_q in self._streams.values():
             loop.call_soon_threadsafe(out_q.put_nowait, err)
         self._streams.clear()
+
+
+def _settle(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
+    """Resolve the caller's add future unless the caller cancelled it (it went away)."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
