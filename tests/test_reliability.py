@@ -475,3 +475,50 @@ def test_cache_salt_keeps_tenants_from_seeing_each_others_prefixes(server):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_callers_that_leave_while_their_request_is_being_added_leave_the_engine_serving(tiny_llama):
+    """The soak found it: a caller cancelled while the engine thread was adding its request made
+    the thread resolve a cancelled future, which killed it (and the server kept answering 200 to
+    /health). Now the add's result is dropped, the abort queued behind it stops the request."""
+    import asyncio
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, skip_tokenizer_init=True, dtype="float32"))
+    client = AsyncEngine(engine)
+
+    async def first(req_id: str, max_tokens: int):
+        async for out in client.generate(req_id, [1, 2, 3], SamplingParams(max_tokens=max_tokens, ignore_eos=True)):
+            return out
+
+    async def main():
+        busy = asyncio.ensure_future(_drain(client.generate("busy", [1, 2], SamplingParams(max_tokens=400,
+                                                                                           ignore_eos=True))))
+        for i in range(40):
+            t = asyncio.ensure_future(first(f"gone-{i}", 50))
+            await asyncio.sleep(0)  # the add is queued; the caller leaves before the engine takes it
+            t.cancel()
+            await asyncio.gather(t, return_exceptions=True)
+        out = await first("after", 3)
+        await busy
+        return out
+
+    try:
+        out = asyncio.run(asyncio.wait_for(main(), 120))  # the old failure: a dead engine thread, a hang
+        assert out is not None and client.dead is None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (engine.parents or client._streams):
+            time.sleep(0.05)
+        assert not engine.parents and not client._streams
+        engine.block_manager.check_integrity([])
+    finally:
+        client.shutdown()
+
+
+async def _drain(stream):
+    async for out in stream:
+        last = out
+    return last

@@ -11,6 +11,9 @@ SUPPORTED = {
     "GemmaForCausalLM": "gemma",
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma": "gemma",
 }
+# The rotary table is precomputed for every position the model declares, so a corrupt file's
+# context length would be an allocation of its own; no model tokenmill loads declares more.
+MAX_POSITIONS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,20 @@ class ArchConfig:
     norm_offset: float = 0.0          # Gemma: x * (1 + w)
     embed_scale: bool = False         # Gemma: embeddings * sqrt(hidden_size)
     sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        """Sizes a model file declares are checked before anything is allocated for them."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"the model declares {name} = {value!r:.50}; it must be a positive integer.")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"the model declares {self.num_heads} attention heads, not a multiple of its "
+                             f"{self.num_kv_heads} KV heads.")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ValueError(f"the model declares a context of {self.max_position_embeddings} positions; tokenmill "
+                             f"loads models of up to {MAX_POSITIONS} (a larger value is usually a corrupt file).")
 
     @staticmethod
     def family_of(name: str) -> str:

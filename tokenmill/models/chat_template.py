@@ -49,3 +49,5 @@ def render(source: str, messages: list[dict], add_generation_prompt: bool, speci
                                                tools=tools, documents=None, **special, **kwargs)
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template rejected the conversation: {e}") from None
+    except Exception as e:  # noqa: BLE001 - the template is the model file's code: its failures are its own
+        raise ValueError(f"chat template failed: {type(e).__name__}: {e}") from None

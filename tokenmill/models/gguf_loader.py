@@ -58,6 +58,12 @@ class GGUFFile:
             raise ValueError(f"{path} uses GGUF tensor types {bad}, which tokenmill cannot load; "
                              f"supported: {sorted(SUPPORTED_TYPES)}. Re-quantize the model to one of those.")
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's Hugging Face name and logical shape (rows, cols), read from the header
+        alone: what the metadata's sizes are checked against before anything is allocated."""
+        return {hf: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()
+                if (hf := _hf_name(name)) is not None}
+
     @property
     def architecture(self) -> str:
         return self.meta.get("general.architecture", "?")

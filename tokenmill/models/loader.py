@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -94,6 +95,36 @@ def resolve_dtype(dtype: str, source: torch.dtype, device: torch.device) -> torc
     return table[dtype]
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)$")
+
+
+def check_declared_sizes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """The sizes a config or GGUF header declares must be those of the tensors the file holds,
+    before the model is allocated: a corrupt or hostile file declaring a million layers or a
+    hidden size of 2^20 over a few kilobytes of tensors would otherwise allocate (or build for
+    minutes) the model it declares. Names without an expected shape (quantized layouts) are
+    checked for their layer index only."""
+    h, hd, ff = arch.hidden_size, arch.head_dim, arch.intermediate_size
+    per_layer = {"self_attn.q_proj.weight": (arch.num_heads * hd, h), "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
+                 "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, arch.num_heads * hd),
+                 "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
+                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    top = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,),
+           "lm_head.weight": (arch.vocab_size, h)}
+    layers = set()
+    for name, shape in shapes.items():
+        m = _LAYER.match(name)
+        if m:
+            layers.add(int(m.group(1)))
+        want = per_layer.get(m.group(2)) if m else top.get(name)
+        if want is not None and tuple(shape) != want:
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(shape)} but the model's configuration "
+                             f"declares {want}; the file is corrupt or its configuration belongs to another model.")
+    if layers != set(range(arch.num_layers)):
+        raise ValueError(f"{source} declares {arch.num_layers} layers but holds tensors for {len(layers)}; the "
+                         f"file is corrupt or incomplete, or its configuration belongs to another model.")
+
+
 def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator) -> CausalLM:
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -121,6 +152,7 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, 
                          "they can execute code; convert them to safetensors).")
     src = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(cfg.get("torch_dtype") or cfg.get("dtype"),
                                                                        torch.float32)
+    check_declared_sizes(arch, _safetensors_shapes(files), path)
     weights = _safetensors_weights(files)
     qcfg = cfg.get("quantization_config")
     prequant = hf_quant.PrequantConfig.from_hf(qcfg) if qcfg else None
@@ -130,6 +162,21 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, 
     model = _build(arch, resolve_dtype(dtype, src, device), device, weights)
     tok = Tokenizer.from_hf_dir(path) if load_tokenizer else None
     return LoadedModel(model, arch, tok)
+
+
+def _safetensors_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the files' headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from None
+    return shapes
 
 
 def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -150,6 +197,7 @@ def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool
     arch = ArchConfig.from_gguf(g.meta, g.vocab_size(), has_output="output.weight" in g.tensors)
     if "token_embd.weight" not in g.tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor; the file is incomplete.")
+    check_declared_sizes(arch, g.hf_shapes(), path)
     model = _build(arch, resolve_dtype(dtype, torch.float32, device), device,
                    g.hf_weights(arch.num_heads, arch.num_kv_heads))
     tok = Tokenizer.from_gguf(g.meta) if load_tokenizer else None
