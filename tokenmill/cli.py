@@ -236,7 +236,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from tokenmill.models import loader
     from tokenmill.utils import default_model_path, resolve_device
 
-    data = args.data or os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "wikitext-2", "test.txt")
+    if args.data is None:
+        raise ValueError("--data FILE is required: the text to measure perplexity on (e.g. WikiText-2's test split).")
+    data = args.data
     if not os.path.exists(data):
         raise ValueError(f"evaluation text {data} not found; pass --data FILE.")
     model_path = args.model or default_model_path()
@@ -266,7 +268,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 def _compress_parsers(sub) -> None:
     """quantize | prune | distill: each writes a Hugging Face checkpoint directory, atomically."""
-    calib_help = "calibration text (default: ../shared/data/wikitext-2/valid.txt)"
+    calib_help = "calibration text file (required by the methods that calibrate)"
 
     def common(p: argparse.ArgumentParser, dtype: str) -> None:
         p.add_argument("--output", required=True, help="directory to write (must not exist or be empty)")
@@ -304,7 +306,7 @@ def _compress_parsers(sub) -> None:
     d = sub.add_parser("distill", help="knowledge distillation of a student from a teacher")
     d.add_argument("--teacher", default=None, help="teacher model (default: the default model)")
     d.add_argument("--student", required=True, help="student model (e.g. a pruned checkpoint)")
-    d.add_argument("--data", default=None, help="training text (default: ../shared/data/wikitext-2/valid.txt)")
+    d.add_argument("--data", default=None, help="training text file (required)")
     d.add_argument("--eval-data", default=None, help="text for the periodic perplexity (e.g. wikitext-2/test.txt)")
     d.add_argument("--eval-tokens", type=int, default=4096, help="tokens of --eval-data scored each time")
     d.add_argument("--eval-every", type=int, default=50, help="steps between perplexity evaluations (0: never)")
@@ -378,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     esub = e.add_subparsers(dest="eval", required=True)
     pp = esub.add_parser("ppl", help="sliding-window perplexity on a text file")
     pp.add_argument("--model", default=None, help="GGUF file or HF directory (default: the default model)")
-    pp.add_argument("--data", default=None, help="text file (default: ../shared/data/wikitext-2/test.txt)")
+    pp.add_argument("--data", default=None, help="text file to evaluate (required), e.g. WikiText-2's test split")
     pp.add_argument("--context-len", type=int, default=512)
     pp.add_argument("--stride", type=int, default=256)
     pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")

@@ -14,8 +14,13 @@ from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import CausalLM, DecoderLayer
 
 
-def default_calibration_file() -> str:
-    return os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "wikitext-2", "valid.txt")
+def required(path: str | None, flag: str, why: str) -> str:
+    """`path` of a text file the command needs. There is no default: an install carries no corpus,
+    and which text calibrates (or trains, or evaluates) a model is the user's choice."""
+    if path is None:
+        raise ValueError(f"{flag} FILE is required {why} (a plain-text file, e.g. WikiText-2's validation split).")
+    read_text(path)  # fail on a missing file before loading anything
+    return path
 
 
 def read_text(path: str) -> str:

@@ -45,9 +45,7 @@ def run_quantize(args: argparse.Namespace) -> dict:
     export.check_output_dir(args.output, args.overwrite)
     cfg = q.QuantizeConfig(args.method, args.group_size, args.calib_samples, args.calib_seq_len, args.act_order,
                            args.damp, args.allow_partial_groups)
-    calib_path = args.calib or calib.default_calibration_file()
-    if cfg.method in ("awq", "gptq"):
-        calib.read_text(calib_path)  # fail on a missing file before loading anything
+    calib_path = calib.required(args.calib, "--calib", f"for {cfg.method}") if cfg.calibrated else None
     loaded = _load_float(args.model)
     cfg.validate(loaded.model)
     t0 = time.perf_counter()
@@ -74,9 +72,8 @@ def run_prune(args: argparse.Namespace) -> dict:
 
     export.check_output_dir(args.output, args.overwrite)
     sparsity = prune.validate(args.method, args.sparsity)
-    calib_path = args.calib or calib.default_calibration_file()
-    if prune.needs_calibration(args.method):
-        calib.read_text(calib_path)
+    calib_path = calib.required(args.calib, "--calib", f"for {args.method} pruning") \
+        if prune.needs_calibration(args.method) else None
     loaded = _load_float(args.model)
     t0 = time.perf_counter()
     samples = calib.windows(_tokens(loaded, calib_path), args.calib_samples, args.calib_seq_len) \
@@ -104,8 +101,7 @@ def run_distill(args: argparse.Namespace) -> dict:
                                 args.temperature, args.hidden_loss_weight, args.eval_every, args.eval_tokens,
                                 args.save_every, args.seed)
     cfg.validate()
-    data = args.data or calib.default_calibration_file()
-    calib.read_text(data)
+    data = calib.required(args.data, "--data", "to distill on")
     if args.eval_data:
         calib.read_text(args.eval_data)
     teacher = _load_float(args.teacher)
