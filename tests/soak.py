@@ -10,8 +10,9 @@ table, every KV block free, the block manager's integrity check passing. Clients
 like any other (the official `openai` client, and httpx where a client must disconnect mid-way).
 
 Every request that was not deliberately cancelled must finish with a finish_reason (streams: one
-per choice, then `[DONE]`); `lost` counts those that did not. RSS is sampled after the first
-fifth of the requests (warm: kernels, caches, allocator pools) and at the end.
+per choice, then `[DONE]`); `lost` counts those that did not. RSS is sampled after each fifth of
+the requests: the first is the warm figure (kernels, caches, allocator pools), a leak would keep
+growing through the rest.
 """
 from __future__ import annotations
 
@@ -172,16 +173,16 @@ def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memo
     tally = Tally()
     proc = psutil.Process()
     t0 = time.monotonic()
-    warm = max(1, requests // 5)
+    fifths = [requests * k // 5 for k in range(6)]
+    rss = []  # after each fifth of the requests: a leak grows with the count, a warm-up levels off
     try:
-        asyncio.run(_load(base, range(warm), concurrency, seed, tally))
-        rss_warm = proc.memory_info().rss
-        asyncio.run(_load(base, range(warm, requests), concurrency, seed, tally))
+        for lo, hi in zip(fifths, fifths[1:]):
+            asyncio.run(_load(base, range(lo, hi), concurrency, seed, tally))
+            rss.append(round(proc.memory_info().rss / 2**20, 1))
         wall = time.monotonic() - t0
         deadline = time.monotonic() + 60  # aborts of the last cancelled requests reach the engine thread
         while time.monotonic() < deadline and (engine.has_unfinished_requests() or client._streams):
             time.sleep(0.1)
-        rss_end = proc.memory_info().rss
         bm = engine.block_manager
         leaked_requests = len(engine.parents) + len(engine.scheduler.running) + len(engine.scheduler.waiting)
         integrity = "ok"
@@ -194,8 +195,8 @@ def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memo
             "concurrency": concurrency, "seed": seed, "kv_cache_tokens": engine.kv_capacity_tokens,
             "preemptions": preemptions[0], "leaked_requests": leaked_requests,
             "leaked_streams": len(client._streams), "leaked_blocks": bm.num_blocks - bm.num_free_blocks,
-            "block_integrity": integrity, "rss_warm_mib": round(rss_warm / 2**20, 1),
-            "rss_end_mib": round(rss_end / 2**20, 1), "wall_s": round(wall, 1),
+            "block_integrity": integrity, "rss_mib_by_fifth": rss, "rss_warm_mib": rss[0], "rss_end_mib": rss[-1],
+            "wall_s": round(wall, 1),
         }
     finally:
         server.should_exit = True

@@ -23,11 +23,16 @@ def test_no_generated_request_gets_a_5xx_or_a_non_openai_error():
         st = pathlib.Path(sys.executable).with_name("st")
         env = {**os.environ, "SCHEMATHESIS_HOOKS": "fuzz_checks",
                "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-        r = subprocess.run([str(st), "run", f"{base}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
-                            "--checks", "not_a_server_error,openai_error_shape", "--max-examples", str(EXAMPLES),
-                            "--request-timeout", "120", "--workers", "2", "--seed", "20261202"],
-                           cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
-        out = r.stdout + r.stderr
+        for seed in (20261202, 20261203):
+            r = subprocess.run([str(st), "run", f"{base}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
+                                "--checks", "not_a_server_error,openai_error_shape", "--max-examples", str(EXAMPLES),
+                                "--request-timeout", "120", "--workers", "1", "--seed", str(seed)],
+                               cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
+            out = r.stdout + r.stderr
+            # CPython 3.11's ast.parse can fail inside hypothesis' own strategy repr (a bug of the
+            # interpreter, not of the server: no request is involved); that alone earns a rerun
+            if "AST constructor recursion depth mismatch" not in out:
+                break
         assert r.returncode == 0, out[-6000:]
         m = re.search(r"(\d+) generated, (\d+) passed", out)
         assert m and m.group(1) == m.group(2) and int(m.group(1)) >= 1000, out[-3000:]
