@@ -19,4 +19,5 @@ def test_a_soak_loses_nothing_and_leaks_nothing():
     assert r["preemptions"] > 0  # the cache was small enough to force them
     assert r["leaked_requests"] == r["leaked_streams"] == r["leaked_blocks"] == 0
     assert r["block_integrity"] == "ok"
-    assert r["rss_end_mib"] <= r["rss_warm_mib"] * 1.15 + 64, r  # no growth with the request count
+    rss = r["rss_mib_by_fifth"]  # allocator pools settle early (a step up, then flat); a leak keeps growing
+    assert rss[-1] - rss[2] <= 32 and rss[-1] <= rss[0] * 1.25 + 64, rss
