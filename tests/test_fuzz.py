@@ -17,7 +17,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "200"))  # per operation and phase
 
 
-def test_no_generated_request_gets_a_5xx_or_a_non_openai_error():
+def test_no_generated_request_gets_a_5xx_or_a_non_openai_error(tmp_path):
     proc, base = start_server("--api-key", KEY, "--max-model-len", "128")
     try:
         st = pathlib.Path(sys.executable).with_name("st")
@@ -27,7 +27,7 @@ def test_no_generated_request_gets_a_5xx_or_a_non_openai_error():
             r = subprocess.run([str(st), "run", f"{base}/openapi.json", "-H", f"Authorization: Bearer {KEY}",
                                 "--checks", "not_a_server_error,openai_error_shape", "--max-examples", str(EXAMPLES),
                                 "--request-timeout", "120", "--workers", "1", "--seed", str(seed)],
-                               cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
+                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)  # its cache too
             out = r.stdout + r.stderr
             # CPython 3.11's ast.parse can fail inside hypothesis' own strategy repr (a bug of the
             # interpreter, not of the server: no request is involved); that alone earns a rerun
