@@ -105,8 +105,9 @@ def check_declared_sizes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], s
     minutes) the model it declares. Names without an expected shape (quantized layouts) are
     checked for their layer index only."""
     h, hd, ff = arch.hidden_size, arch.head_dim, arch.intermediate_size
-    per_layer = {"self_attn.q_proj.weight": (arch.num_heads * hd, h), "self_attn.k_proj.weight": (arch.num_kv_heads * hd, h),
-                 "self_attn.v_proj.weight": (arch.num_kv_heads * hd, h), "self_attn.o_proj.weight": (h, arch.num_heads * hd),
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    per_layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
                  "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     top = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,),

@@ -233,9 +233,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
 class _Guard:
     """Pure ASGI middleware (BaseHTTPMiddleware would hide client disconnects from handlers):
-    API key on every route but the open ones (/health; /metrics if public), and the request body read here, whole, before any handler
-    runs: at most `max_bytes` whether declared (Content-Length) or chunked, within `body_timeout`
-    seconds, so a client that sends slowly or without end holds nothing beyond that."""
+    API key on every route but the open ones (/health; /metrics if public), and the request body
+    read here, whole, before any handler runs: at most `max_bytes` whether declared
+    (Content-Length) or chunked, within `body_timeout` seconds, so a client that sends slowly or
+    without end holds nothing beyond that."""
 
     def __init__(self, app, api_keys: set[str], max_bytes: int, body_timeout: float, open_paths: set[str],
                  salt_by_key: bool = False) -> None:
