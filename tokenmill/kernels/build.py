@@ -15,6 +15,7 @@ remains for pip installs and forced variants, announced before and after.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -115,15 +116,14 @@ def compiler_version() -> str:
     return _compiler_version(os.environ.get("CXX", "c++"))
 
 
-def _compiler_version(cxx: str, _seen: dict[str, str] = {}) -> str:
-    if cxx not in _seen:
-        import subprocess
-        try:
-            out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-            _seen[cxx] = (out.splitlines() or ["none"])[0]
-        except (OSError, subprocess.SubprocessError):
-            _seen[cxx] = "none"
-    return _seen[cxx]
+@functools.lru_cache(maxsize=None)
+def _compiler_version(cxx: str) -> str:
+    import subprocess
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    return (out.splitlines() or ["none"])[0]
 
 
 def library_name(isa: str) -> str:
@@ -231,11 +231,9 @@ def _stop(child) -> None:
             pass
         try:
             child.wait(timeout=grace)
-            ninja_gone = True
+            return
         except subprocess.TimeoutExpired:
-            ninja_gone = False
-        if ninja_gone:
-            break
+            continue
 
 
 def _compile_in_process(isa: str, work: pathlib.Path) -> pathlib.Path:

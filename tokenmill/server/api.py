@@ -378,22 +378,23 @@ def _prompt_ids(tok, text: str, add_special_tokens: bool, split_special_tokens: 
                 max_model_len: int | None) -> list[int]:
     """A prompt's ids (on a worker thread); one that cannot fit max_model_len even at the
     vocabulary's longest token is refused without tokenizing it."""
-    if max_model_len is not None and len(text) > max_model_len * tok.max_token_chars:
-        raise APIError(400, f"the prompt has {len(text)} characters, more than the model's context of "
-                            f"{max_model_len} tokens can hold (no token is longer than {tok.max_token_chars} "
-                            f"characters); shorten the prompt.", param="prompt")
+    _check_fits(tok, len(text), max_model_len, "prompt")
     return tok.encode(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)
+
+
+def _check_fits(tok, chars: int, max_model_len: int | None, param: str) -> None:
+    """Text longer than max_model_len tokens of the vocabulary's longest token cannot fit: refused
+    before it is tokenized (None: no bound, as for /tokenize)."""
+    if max_model_len is not None and chars > max_model_len * tok.max_token_chars:
+        raise APIError(400, f"the {param} has {chars} characters, more than the model's context of {max_model_len} "
+                            f"tokens can hold (no token is longer than {tok.max_token_chars} characters); shorten it.",
+                       param=param)
 
 
 def _chat_ids(tok, conv: list[dict], add_generation_prompt: bool, kwargs, tools, split_special_tokens: bool,
               max_model_len: int | None) -> list[int]:
     """The conversation's ids (on a worker thread), bounded like _prompt_ids."""
-    if max_model_len is not None:
-        chars = sum(len(v) for m in conv for v in m.values() if isinstance(v, str))
-        if chars > max_model_len * tok.max_token_chars:
-            raise APIError(400, f"the messages have {chars} characters, more than the model's context of "
-                                f"{max_model_len} tokens can hold (no token is longer than {tok.max_token_chars} "
-                                f"characters); shorten them.", param="messages")
+    _check_fits(tok, sum(len(v) for m in conv for v in m.values() if isinstance(v, str)), max_model_len, "messages")
     try:
         return tok.encode_chat(conv, add_generation_prompt, tools, kwargs, split_special_tokens)
     except ValueError as e:
