@@ -13,6 +13,8 @@ RULES = {
     "compress": ("tokenmill.server", "tokenmill.engine", "tokenmill.runner"),
     # kernels and checkpoint formats know nothing of models or of the tools that write them
     "quant": ("tokenmill.models", "tokenmill.compress", "tokenmill.engine", "tokenmill.server"),
+    # proposers serve the runner: they know nothing of the engine or the server
+    "spec": ("tokenmill.server", "tokenmill.engine"),
     # the native kernels are a leaf: arithmetic and layouts, nothing of tokenmill above them
     "kernels": ("tokenmill.",),
 }

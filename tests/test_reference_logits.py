@@ -5,7 +5,7 @@ import torch
 
 from tokenmill.core.block_manager import BlockManager
 from tokenmill.core.request import Request
-from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import NewRequest, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention import forward_context
 from tokenmill.models import loader
 from tokenmill.runner.model_runner import ModelRunner
@@ -22,9 +22,18 @@ def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits[0]
 
 
+def feed(r: Request, tokens: list[int], start: int, num_drafts: int = 0) -> ScheduledRequest:
+    """One step's entry for `r`, sending its whole block table (a delta from zero blocks)."""
+    return ScheduledRequest(r.req_id, tokens, start, 0, list(r.block_table), True, num_drafts)
+
+
 def paged_logits(runner: ModelRunner, entries: list[ScheduledRequest]) -> torch.Tensor:
     """Logits of every token fed this step, computed through the runner's cache metadata."""
-    input_ids, positions, meta, _, _ = runner._prepare(SchedulerOutput(scheduled=entries))
+    sched = SchedulerOutput(scheduled=entries)
+    sched.new_requests = [NewRequest(e.req_id, [], 0, SamplingParams(), []) for e in entries
+                          if e.req_id not in runner.states]
+    runner._update_states(sched)
+    input_ids, positions, meta, _, _ = runner._prepare(sched)
     with torch.inference_mode(), forward_context(meta):
         return runner.model.compute_logits(runner.model(input_ids, positions))
 
@@ -43,25 +52,25 @@ def test_prefill_and_every_decode_step_match_transformers(tiny_model):
     entries = []
     for r, cut in zip(reqs, cuts):
         assert bm.allocate(r, cut)
-        entries.append(ScheduledRequest(r.req_id, r.token_ids[:cut], 0, list(r.block_table), True))
+        entries.append(feed(r, r.token_ids[:cut], 0))
     got = paged_logits(runner, entries)
     offset = 0
     for ref, cut in zip(refs, cuts):
         assert (got[offset:offset + cut] - ref[:cut]).abs().max() < TOL
         offset += cut
 
-    # Sequence 2 continues with a second prefill chunk (context read from the cache) while the
-    # others decode one token per step, all in the same batches.
+    # Sequence 2 continues with a second prefill chunk (context read from the cache) while
+    # sequence 1 decodes one token per step and sequence 0 decodes with two drafts (three
+    # positions scored as three successive decodes), all in the same batches.
     pos = list(cuts)
     while any(p < len(s) for p, s in zip(pos, seqs)):
         entries, owners = [], []
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             if pos[i] >= len(s):
                 continue
-            n = 4 if i == 2 else 1
-            n = min(n, len(s) - pos[i])
+            n = min((3, 1, 4)[i], len(s) - pos[i])
             assert bm.allocate(r, pos[i] + n)
-            entries.append(ScheduledRequest(r.req_id, s[pos[i]:pos[i] + n], pos[i], list(r.block_table), True))
+            entries.append(feed(r, s[pos[i]:pos[i] + n], pos[i], n - 1 if i == 0 else 0))
             owners.append((i, pos[i], n))
             pos[i] += n
         got = paged_logits(runner, entries)

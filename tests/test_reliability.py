@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tokenmill import SamplingParams
-from tokenmill.sampling.sampler import Sampler, SamplingRow
+from tokenmill.sampling.sampler import Sampler, SamplingRow, noise_seed
 
 from test_server import KEY, MODEL, free_port, headers, start_server
 
@@ -49,8 +49,8 @@ def test_integers_are_bounded_to_what_the_engine_takes(kw, field):
 
 def test_a_top_k_beyond_int64_samples_like_no_top_k():
     logits = torch.randn(1, 50).repeat(2, 1)
-    rows = [SamplingRow(SamplingParams(top_k=k, temperature=1.0, seed=7), [1], 1,
-                        torch.Generator().manual_seed(7), []) for k in (2**63, 0)]
+    rows = [SamplingRow(SamplingParams(top_k=k, temperature=1.0, seed=7), [1], 1, noise_seed(7, 0), [])
+            for k in (2**63, 0)]
     out = Sampler()(logits, rows).token_ids.tolist()
     assert out[0] == out[1]
 

@@ -4,13 +4,14 @@ import math
 import pytest
 import torch
 
-from tokenmill.sampling.sampler import Sampler, SamplingRow
+from tokenmill.sampling.sampler import Sampler, SamplingRow, noise_seed
 from tokenmill.sampling_params import SamplingParams
 
 
-def row(seed=None, tokens=(), prompt_len=0, banned=(), **kw):
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(SamplingParams(seed=seed, **kw), list(tokens), prompt_len, gen, list(banned))
+def row(seed=None, tokens=(), prompt_len=0, banned=(), index=0, **kw):
+    """A row of a request seeded `seed`, sampling its output token number `index`."""
+    noise = noise_seed(seed, index) if seed is not None else None
+    return SamplingRow(SamplingParams(seed=seed, **kw), list(tokens), prompt_len, noise, list(banned))
 
 
 def sample(logits, rows):
@@ -25,8 +26,8 @@ def test_greedy_is_argmax_and_banned_tokens_are_skipped():
 
 def test_top_k_and_top_p_and_min_p_restrict_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
-    rows_ = [row(seed=i, top_k=2) for i in range(3)]
-    seen = {t for _ in range(50) for t in sample(logits, rows_).token_ids.tolist()}
+    seen = {t for j in range(50)
+            for t in sample(logits, [row(seed=i, index=j, top_k=2) for i in range(3)]).token_ids.tolist()}
     assert seen <= {0, 1} and len(seen) == 2
     # top_p=0.7: {0.5} has 0.5 < 0.7 so 0.3 is needed too; 0.15 never
     seen = {t for i in range(150) for t in sample(logits[:1], [row(seed=i, top_p=0.7)]).token_ids.tolist()}
@@ -52,11 +53,11 @@ def test_seed_gives_same_tokens_whatever_the_batch():
     alone = [sample(logits, [row(seed=42, temperature=1.0)]).token_ids.item() for _ in range(1)]
     batch = sample(logits.expand(4, -1), [row(seed=7), row(seed=42), row(), row(seed=1)]).token_ids.tolist()
     assert batch[1] == alone[0]
-    # the generator advances: a sequence of draws is reproducible from the seed alone
-    r1, r2 = row(seed=5), row(seed=5)
-    seq1 = [sample(logits, [r1]).token_ids.item() for _ in range(10)]
-    seq2 = [sample(logits, [r2]).token_ids.item() for _ in range(10)]
-    assert seq1 == seq2 and len(set(seq1)) > 1
+    # each output position draws its own noise: a sequence of draws is reproducible from the seed
+    # alone, whichever order or batches the positions are sampled in
+    seq1 = [sample(logits, [row(seed=5, index=j)]).token_ids.item() for j in range(10)]
+    seq2 = sample(logits.expand(10, -1), [row(seed=5, index=j) for j in reversed(range(10))]).token_ids.tolist()
+    assert seq1 == seq2[::-1] and len(set(seq1)) > 1
 
 
 def test_repetition_frequency_presence_penalties():

@@ -20,7 +20,7 @@ def add(s, i, n, max_tokens=100, priority=0, tokens=None):
 
 def run_step(s, token=7):
     out = s.schedule()
-    s.update(out, RunnerOutput(sampled={e.req_id: token for e in out.scheduled if e.sample}))
+    s.update(out, RunnerOutput(sampled={e.req_id: [token] for e in out.scheduled if e.sample}))
     return out
 
 

@@ -211,8 +211,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
     if args.bench == "latency":
-        prompt = workload.load(None, 1, args.workload_seed, args.input_len, args.output_len, engine.arch.vocab_size)[0].prompt
-        result = offline.latency(engine, prompt, args.output_len, args.repeats)
+        if args.prompt_file:
+            prompt = _prompt_from_file(engine, args.prompt_file, args.chat)
+        else:
+            prompt = workload.load(None, 1, args.workload_seed, args.input_len, args.output_len,
+                                   engine.arch.vocab_size)[0].prompt
+        result = offline.latency(engine, prompt, args.output_len, args.repeats, ignore_eos=not args.prompt_file)
     else:
         items = workload.load(args.workload, args.num_prompts, args.workload_seed, args.input_len, args.output_len,
                               engine.arch.vocab_size, args.mt_bench)
@@ -225,6 +229,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result["activation_bits"] = engine.activation_bits
     _emit(result, args.output_json)
     return 0
+
+
+def _prompt_from_file(engine, path: str, chat: bool) -> list[int]:
+    """A real prompt for `bench latency`: the file's text, as one user message with `--chat`."""
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("--prompt-file needs the model's tokenizer.")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if chat:
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -407,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--output-json", default=None, help="also write the JSON result here")
         if name == "latency":
             sp.add_argument("--repeats", type=int, default=3, help="measured runs after one warm-up")
+            sp.add_argument("--prompt-file", default=None,
+                            help="a real prompt (text) instead of random tokens; the run then stops at EOS or "
+                                 "--output-len, and decode speed counts the tokens produced")
+            sp.add_argument("--chat", action="store_true", help="send --prompt-file as a user message (chat template)")
         else:
             sp.add_argument("--num-prompts", type=int, default=64)
             sp.add_argument("--workload", default=None,

@@ -5,6 +5,7 @@ option is documented in exactly one place.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, fields
 
@@ -93,6 +94,92 @@ class SchedulingConfig:
         "keep running decodes flowing while a long prompt is prefilled (benchmarks/decode_stall.sh)"))
     scheduling_policy: str = field(default="fcfs", metadata=_help(
         "fcfs | priority (requests with a lower `priority` value go first)"))
+    speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata=_help(
+        'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
+        '"num_speculative_tokens": 4}; also "disable_by_batch_size" (default: none) and "adaptive" (default true). '
+        "README: Speculative decoding"))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+
+
+SPEC_METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` dict. `ngram`: prompt lookup, drafts copied from the request's
+    own prompt and output after the longest recent n-gram (sizes prompt_lookup_min..max) that
+    matches its last tokens. `draft_model`: a smaller model with the target's vocabulary drafts
+    (`model`: a GGUF file or HF directory; `quantization`: how to load it, as the engine's flag).
+    `disable_by_batch_size`: no drafts while more requests than this are running (vLLM's key);
+    `adaptive`: each request's draft length follows its acceptance and the batch size
+    (core/speculation.py; README: Speculative decoding); off: always num_speculative_tokens."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    quantization: str = "auto"
+    disable_by_batch_size: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"speculative_config: {msg}")
+
+        if self.method not in SPEC_METHODS:
+            raise bad(f"unknown method {self.method!r}; choose one of {list(SPEC_METHODS)}.")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise bad(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method == "ngram":
+            if lo is None and hi is None:
+                lo, hi = 2, 4
+            elif lo is None or hi is None:  # vLLM: one given, the other takes its value
+                lo = hi = lo if hi is None else hi
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 64:
+                    raise bad(f"{name} must be an integer in [1, 64], got {v!r}.")
+            if lo > hi:
+                raise bad(f"prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi}).")
+            object.__setattr__(self, "prompt_lookup_min", lo)
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            if self.model is not None:
+                raise bad("method 'ngram' takes no draft model; use method 'draft_model' for one.")
+        elif not self.model or not isinstance(self.model, str):
+            raise bad("method 'draft_model' needs \"model\": the draft's GGUF file or HF directory.")
+        elif lo is not None or hi is not None:
+            raise bad("prompt_lookup_min/max belong to method 'ngram'.")
+        d = self.disable_by_batch_size
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+            raise bad(f"disable_by_batch_size must be a positive integer or null, got {d!r}.")
+        if not isinstance(self.adaptive, bool):
+            raise bad(f"adaptive must be true or false, got {self.adaptive!r}.")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """A dict, its JSON text (the CLI's form) or None. Unknown keys are refused, not dropped."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}.") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}.")
+        value = dict(value)
+        if "method" not in value and value.get("model") is not None:
+            value["method"] = "draft_model"  # vLLM: a model and no method means a draft model
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}.")
+        return cls(**value)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ class RequestMetrics:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_drafts: int = 0             # speculative decoding: steps that verified drafts for this request
+    num_draft_tokens: int = 0       # draft tokens verified in them
+    num_accepted_tokens: int = 0    # of those, accepted
 
 
 @dataclass

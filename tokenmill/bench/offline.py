@@ -36,13 +36,17 @@ def weight_bytes_per_token(engine: LLMEngine) -> int:
     return total
 
 
-def latency(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int) -> dict:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    runs = []
+def latency(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int, ignore_eos: bool = True) -> dict:
+    """Greedy, one request at a time. With `ignore_eos` False a run ends at EOS (a real prompt's
+    natural answer) and decode speed counts the tokens it produced. With speculative decoding on,
+    also the acceptance rate (accepted / verified drafts) and the mean acceptance length (tokens
+    per verifying step: 1 + accepted per verification, as vLLM reports it)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
+    runs, drafts = [], [0, 0, 0]  # verifications, draft tokens, accepted
     for r in range(repeats + 1):  # the first run warms up
         engine.add_request(f"lat-{r}", prompt, params)
         t0 = time.perf_counter()
-        first, steps = None, 0
+        first, steps, final = None, 0, None
         while engine.has_unfinished_requests():
             outs = engine.step()
             steps += first is None
@@ -50,16 +54,26 @@ def latency(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int)
             # takes several steps before its first token
             if first is None and any(o.delta_token_ids for out in outs for o in out.outputs):
                 first = time.perf_counter()
+            final = next((o for o in outs if o.finished), final)
         end = time.perf_counter()
         if r:
-            runs.append((first - t0, (output_len - 1) / (end - first), steps))
+            n = len(final.outputs[0].token_ids)
+            runs.append((first - t0, (n - 1) / (end - first) if n > 1 else 0.0, steps, n))
+            m = final.metrics
+            for i, v in enumerate((m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens)):
+                drafts[i] += v
     ttft = statistics.median(r[0] for r in runs)
     tps = statistics.median(r[1] for r in runs)
     wbytes = weight_bytes_per_token(engine)
-    return {"input_len": len(prompt), "output_len": output_len, "repeats": repeats, "ttft_s": ttft,
-            "ttft_steps": runs[-1][2],
-            "decode_tokens_per_s": tps, "weight_bytes_per_token": wbytes,
-            "achieved_bandwidth_gb_s": wbytes * tps / 1e9, "runs": runs}
+    out = {"input_len": len(prompt), "output_len": output_len, "output_tokens": runs[-1][3], "repeats": repeats,
+           "ttft_s": ttft, "ttft_steps": runs[-1][2],
+           "decode_tokens_per_s": tps, "weight_bytes_per_token": wbytes,
+           "achieved_bandwidth_gb_s": wbytes * tps / 1e9, "runs": runs}
+    if engine.config.scheduling.speculative_config is not None:
+        out["spec_acceptance_rate"] = drafts[2] / drafts[1] if drafts[1] else 0.0
+        out["spec_mean_acceptance_length"] = 1 + drafts[2] / drafts[0] if drafts[0] else 1.0
+        out["spec_draft_tokens"], out["spec_accepted_tokens"] = drafts[1], drafts[2]
+    return out
 
 
 def throughput(engine: LLMEngine, items: list[Item]) -> dict:

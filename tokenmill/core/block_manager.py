@@ -143,6 +143,17 @@ class BlockManager:
             parent = self.key_id[holder]
             req.block_hashes.append(parent)
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Give back the blocks past the first `num_tokens` tokens (lookahead slots of rejected
+        drafts). They were never keyed: only blocks full of verified tokens are."""
+        keep = cdiv(num_tokens, self.block_size)
+        while len(req.block_table) > keep:
+            block = req.block_table.pop()
+            assert self.block_key[block] is None and self.ref_counts[block] == 1
+            self.ref_counts[block] = 0
+            self.free_blocks[block] = None
+            self.free_blocks.move_to_end(block, last=False)
+
     def free(self, req: Request) -> None:
         """Drop `req`'s references. Unkeyed blocks go to the front of the free list (reused
         first), keyed ones to the back (kept longest); the tail of a sequence is freed first so

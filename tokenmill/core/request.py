@@ -41,6 +41,10 @@ class Request:
         self.eos_token_ids = eos_token_ids
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] = []  # filled by the engine when params.logprobs is set
+        # speculative decoding: drafts to verify next step, and the draft policy's state
+        self.draft_token_ids: list[int] = []
+        self.spec_estimate: tuple[float, float] | None = None  # decayed (accepted, tried) draft tokens
+        self.spec_idle_steps = 0
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic())
 
     @property

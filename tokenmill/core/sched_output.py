@@ -1,23 +1,67 @@
-"""The two contracts between scheduler and runner: plain dataclasses of ints and lists."""
+"""The contracts between scheduler and runner: plain dataclasses of ints and lists, and the only
+channel between them. The runner learns of a request when it is first scheduled (`NewRequest`),
+follows its block table through deltas, and forgets it when its id is in `finished_req_ids`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """What the runner keeps about a request for sampling: its params, the tokens so far (for
+    penalties and n-gram drafts) and which of them are the prompt."""
+    req_id: str
+    token_ids: list[int]
+    prompt_len: int
+    params: SamplingParams
+    eos_token_ids: list[int]
+
 
 @dataclass
 class ScheduledRequest:
-    """What the runner does for one request this step: feed `token_ids` (positions
-    `start_pos ..`), write their KV through `block_table`, and sample one token if `sample`."""
+    """What the runner does for one request this step: feed `token_ids` (positions `start_pos ..`),
+    writing their KV through the request's block table, which is first cut to `num_kept_blocks`
+    blocks and extended by `new_block_ids`; sample if `sample`. The last `num_drafts` of
+    `token_ids` are draft tokens to verify: every one of the 1 + num_drafts last positions is
+    scored. `num_propose`: how many drafts to propose for the next step (0: none)."""
     req_id: str
     token_ids: list[int]
     start_pos: int
-    block_table: list[int]
+    num_kept_blocks: int
+    new_block_ids: list[int]
     sample: bool
+    num_drafts: int = 0
+    num_propose: int = 0
+
+
+@dataclass
+class StepStats:
+    """What one step did, for metrics: gauges after the step and the latency samples it produced.
+    The scheduler fills it; the engine adds the requests that finished on a stop string or abort."""
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0          # prompts that finished prefilling this step
+    prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache this step
+    prefix_cache_hits: int = 0          # of those, found
+    num_generation_tokens: int = 0
+    num_drafts: int = 0                 # requests that verified drafts this step
+    num_draft_tokens: int = 0           # draft tokens verified
+    num_accepted_tokens: int = 0        # of those, accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted drafts by position in the draft
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    finished: list = field(default_factory=list)  # Requests that finished this step
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
     @property
@@ -30,9 +74,11 @@ class SchedulerOutput:
 
 @dataclass
 class RunnerOutput:
-    """Per sampled request: its new token, and (when asked for) that token's logprob, its rank,
-    and the top-k alternatives as (token_id, logprob) pairs, best first. Or, for a fault that
-    belongs to one request (non-finite logits, a sampling error), no token and the reason."""
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, tuple[float, int, list[tuple[int, float]]]] = field(default_factory=dict)
+    """Per sampled request: the tokens it gained this step — the accepted drafts, then one token
+    sampled by the target — with (when asked for) each one's logprob, rank and top-k alternatives
+    as (token_id, logprob) pairs, best first; and the drafts proposed for its next step. Or, for a
+    fault that belongs to one request (non-finite logits, a sampling error), no token and the reason."""
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why this request's step failed

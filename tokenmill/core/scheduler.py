@@ -7,15 +7,28 @@ free KV blocks last, starting after whatever prefix the cache already holds. Whe
 request cannot get a block, a victim is preempted (the newest; under the priority policy the
 lowest-priority, newest first): its blocks are freed and it is recomputed later from its prompt +
 output so far. The engine never runs out of memory and never drops a request.
+
+Speculative decoding: a decoding request that holds drafts (proposed by the runner last step) is
+granted 1 + k tokens, the drafts counted in the budget and given KV slots ahead; drafts are the
+first thing cut when budget or blocks run short. After verification the slots of rejected drafts
+go back to the block manager, and only verified tokens ever count as computed (so the prefix
+cache never keys a block holding a draft). `DraftPolicy` says how many drafts each request
+proposes next.
+
+The runner hears of everything through the SchedulerOutput: a request's data when it is first
+scheduled, its block table as deltas, and the ids of the requests that finished.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+import time
+
 from tokenmill.core.block_manager import BlockManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.sched_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput, StepStats
+from tokenmill.core.speculation import DraftPolicy
 
 
 @dataclass(frozen=True)
@@ -35,14 +48,20 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 draft_policy: DraftPolicy | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.draft_policy = draft_policy  # None: no speculative decoding
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.stats = StepStats()
         self._arrivals = 0
+        self._blocks_sent: dict[str, int] = {}  # requests the runner knows -> leading blocks of its table it has
+        self._finished_ids: list[str] = []      # known to the runner, finished since the last step
+        self._lookups = (0, 0)                  # block manager's (queries, hits) at the last step
 
     # ----------------------------------------------------------------- intake / exit
     def add_request(self, req: Request) -> None:
@@ -62,23 +81,35 @@ class Scheduler:
             self.waiting.remove(req)
         self.block_manager.free(req)
         req.status = RequestStatus.FINISHED
+        req.draft_token_ids = []
         if req.finish_reason is None:
             req.finish_reason = reason
+        if self._blocks_sent.pop(req_id, None) is not None:
+            self._finished_ids.append(req_id)
         return req
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_to_report(self) -> bool:
+        """Finished requests the runner has not heard of yet (it keeps their state until then)."""
+        return bool(self._finished_ids)
+
     # ----------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(finished_req_ids=self._finished_ids)
+        self._finished_ids = []
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.block_manager.allocate(req, req.num_computed_tokens + num_new):
+            drafts = req.draft_token_ids[:budget - num_new] if num_new == 1 else []
+            while not self.block_manager.allocate(req, req.num_computed_tokens + num_new + len(drafts)):
+                if drafts:  # drafts go first, before anyone is preempted
+                    drafts = []
+                    continue
                 victim = self._victim()
                 if self.running.index(victim) < i:
                     i -= 1
@@ -90,16 +121,20 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                scheduled[req.req_id] = self._entry(req, num_new)
-                budget -= num_new
+                scheduled[req.req_id] = self._entry(req, num_new, drafts, out)
+                budget -= num_new + len(drafts)
                 i += 1
 
         if not out.preempted:
-            budget = self._admit(budget, scheduled)
+            budget = self._admit(budget, scheduled, out)
         out.scheduled = list(scheduled.values())
+        if self.draft_policy is not None:
+            for entry in out.scheduled:
+                if entry.sample:
+                    entry.num_propose = self.draft_policy.num_propose(self.requests[entry.req_id], len(self.running))
         return out
 
-    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest]) -> int:
+    def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
         """Waiting requests join in policy order while budget, seats and blocks last. A request
         whose first block is being prefilled right now (by a running request, or one admitted in
         this step) waits instead of computing the same prefix again: it will find those blocks in
@@ -126,7 +161,7 @@ class Scheduler:
                 req.metrics.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled[req.req_id] = self._entry(req, num_new)
+            scheduled[req.req_id] = self._entry(req, num_new, [], out)
             budget -= num_new
             bm.count_lookup(req.num_tokens, num_cached)
             if bm.enable_prefix_caching:
@@ -140,23 +175,42 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.block_manager.free(req)
+        if req.req_id in self._blocks_sent:
+            self._blocks_sent[req.req_id] = 0
+        req.draft_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
+    def _entry(self, req: Request, num_new: int, drafts: list[int], out: SchedulerOutput) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + num_new
-        return ScheduledRequest(req_id=req.req_id, token_ids=req.token_ids[start:end], start_pos=start,
-                                block_table=list(req.block_table), sample=end == req.num_tokens)
+        kept = self._blocks_sent.get(req.req_id)
+        if kept is None:
+            out.new_requests.append(NewRequest(req.req_id, list(req.token_ids), req.prompt_len, req.params,
+                                               sorted(req.eos_token_ids)))
+            kept = 0
+        self._blocks_sent[req.req_id] = len(req.block_table)
+        return ScheduledRequest(req_id=req.req_id, token_ids=req.token_ids[start:end] + drafts, start_pos=start,
+                                num_kept_blocks=kept, new_block_ids=req.block_table[kept:],
+                                sample=end == req.num_tokens, num_drafts=len(drafts))
 
     # ----------------------------------------------------------------- after the forward pass
-    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[Request]:
-        """Advances progress, appends sampled tokens, finishes requests that hit EOS / stop ids /
-        length, and those whose step failed (finish_reason "error"). Returns the requests that
-        were given a new token this step, and the failed ones."""
+    def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
+        """Advances progress, appends each request's new tokens (accepted drafts, then the sampled
+        one) until one of them ends it (EOS / stop ids / length), gives rejected drafts' slots back,
+        stores the next drafts, and fails the requests whose step failed (finish_reason "error").
+        Returns (request, tokens it gained) for every request that gained tokens or failed, and
+        leaves the step's numbers in `self.stats`."""
+        now = time.monotonic()
+        bm = self.block_manager
+        queries, hits = bm.num_queries, bm.num_hits
+        st = self.stats = StepStats(num_preemptions=len(sched.preempted),
+                                    prefix_cache_queries=queries - self._lookups[0],
+                                    prefix_cache_hits=hits - self._lookups[1])
+        self._lookups = (queries, hits)
         advanced = []
         for entry in sched.scheduled:
             req = self.requests.get(entry.req_id)
@@ -165,16 +219,67 @@ class Scheduler:
             if entry.req_id in result.failed:  # its KV of this step is suspect: never cached
                 req.error = result.failed[entry.req_id]
                 self.finish_request(req.req_id, "error")
-                advanced.append(req)
+                advanced.append((req, 0))
                 continue
-            req.num_computed_tokens += len(entry.token_ids)
-            self.block_manager.cache_full_blocks(req)
+            fed = len(entry.token_ids) - entry.num_drafts
             if not entry.sample:
+                req.num_computed_tokens += fed
+                bm.cache_full_blocks(req)
                 continue
-            req.token_ids.append(result.sampled[entry.req_id])
-            if entry.req_id in result.logprobs:
-                req.logprobs.append(result.logprobs[entry.req_id])
-            advanced.append(req)
-            if req.check_stop(self.config.max_model_len):
-                self.finish_request(req.req_id, req.finish_reason or "stop")
+            tokens = result.sampled[entry.req_id]
+            lps = result.logprobs.get(entry.req_id)
+            computed = req.num_computed_tokens + fed + len(tokens) - 1  # + the accepted drafts
+            added = 0
+            for j, tok in enumerate(tokens):
+                req.token_ids.append(tok)
+                if lps is not None:
+                    req.logprobs.append(lps[j])
+                added += 1
+                if req.check_stop(self.config.max_model_len):
+                    break
+            req.num_computed_tokens = min(computed, req.num_tokens - 1)
+            bm.cache_full_blocks(req)
+            self._count(req, entry, len(tokens) - 1, added, now)
+            advanced.append((req, added))
+            if req.finish_reason is not None:
+                self.finish_request(req.req_id, req.finish_reason)
+                continue
+            if entry.num_drafts:  # rejected drafts' slots go back
+                bm.truncate(req, req.num_tokens)
+                self._blocks_sent[req.req_id] = min(self._blocks_sent[req.req_id], len(req.block_table))
+            req.draft_token_ids = result.draft_token_ids.get(entry.req_id, [])[:self._draft_room(req)]
+        st.num_running, st.num_waiting = len(self.running), len(self.waiting)
+        st.kv_cache_usage = bm.usage
         return advanced
+
+    def _draft_room(self, req: Request) -> int:
+        """Drafts that can still matter: their positions stay inside the context, and the step's
+        tokens (drafts + one) stay within max_tokens."""
+        room = self.config.max_model_len - req.num_tokens
+        if req.params.max_tokens is not None:
+            room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+        return max(room, 0)
+
+    def _count(self, req: Request, entry: ScheduledRequest, accepted: int, added: int, now: float) -> None:
+        st, m = self.stats, req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            st.ttft.append(now - m.arrival_time)
+            st.num_prompt_tokens += req.prompt_len
+        else:
+            st.itl.append(now - m.last_token_time)
+        m.last_token_time = now
+        st.num_generation_tokens += added
+        if entry.num_drafts:
+            st.num_drafts += 1
+            st.num_draft_tokens += entry.num_drafts
+            st.num_accepted_tokens += accepted
+            m.num_drafts += 1
+            m.num_draft_tokens += entry.num_drafts
+            m.num_accepted_tokens += accepted
+            if len(st.accepted_per_pos) < entry.num_drafts:
+                st.accepted_per_pos += [0] * (entry.num_drafts - len(st.accepted_per_pos))
+            for pos in range(accepted):
+                st.accepted_per_pos[pos] += 1
+            if self.draft_policy is not None:
+                self.draft_policy.observe(req, entry.num_drafts, accepted)

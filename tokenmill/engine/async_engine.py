@@ -16,7 +16,8 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Protocol
 
-from tokenmill.engine.llm_engine import LLMEngine, StepStats
+from tokenmill.core.sched_output import StepStats
+from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

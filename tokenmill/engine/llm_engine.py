@@ -9,39 +9,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.block_manager import BlockManager, cdiv
 from tokenmill.core.request import Request
+from tokenmill.core.sched_output import StepStats
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.core.speculation import DraftPolicy
 from tokenmill.engine.detokenizer import DetokState
 from tokenmill.models import loader
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.runner import kv_cache
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec import proposers
 from tokenmill.utils import default_model_path, resolve_device
 
 log = logging.getLogger("tokenmill")
-
-
-@dataclass
-class StepStats:
-    """What one step did, for metrics: gauges after the step and the latency samples it produced."""
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    num_prompt_tokens: int = 0          # prompts that finished prefilling this step
-    prefix_cache_queries: int = 0       # prompt tokens looked up in the prefix cache this step
-    prefix_cache_hits: int = 0          # of those, found
-    num_generation_tokens: int = 0
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -77,13 +64,24 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {int(limit)} tokens.")
         self.kv_dtype = kv_cache.resolve_dtype(cc.kv_cache_dtype, self.dtype, self.device)
+        spec = sc.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = proposers.load_draft(spec, loaded, mc.dtype, self.device)
+        # a draft model's cache holds as many blocks as the target's, inside the same budget
+        draft_block_bytes = 0 if draft is None else kv_cache.bytes_per_block(draft.arch, cc.block_size, self.kv_dtype)
         num_blocks, budget = kv_cache.num_blocks_for(self.arch, cc.block_size, self.kv_dtype, self.device,
-                                                     cc.kv_cache_memory, cc.gpu_memory_utilization)
+                                                     cc.kv_cache_memory, cc.gpu_memory_utilization,
+                                                     draft_block_bytes)
         self.block_size = cc.block_size
-        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype)
+        proposer = None if spec is None else proposers.build(spec, draft, num_blocks, cc.block_size, self.device,
+                                                             self.kv_dtype, cc.enable_prefix_caching)
+        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype, proposer)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
+                                                       spec.adaptive)
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
-                                                   sc.scheduling_policy), self.block_manager)
+                                                   sc.scheduling_policy), self.block_manager, policy)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
@@ -118,7 +116,6 @@ class LLMEngine:
             parent.detoks.append(DetokState(self.tokenizer, ids, p) if self.tokenizer else None)
             parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))
             self._child_parent[child_id] = (parent, i)
-            self.runner.add_request(child_id, ids, p, self.eos_token_ids)
             self.scheduler.add_request(req)
         self.parents[req_id] = parent
 
@@ -162,6 +159,7 @@ class LLMEngine:
             if not req.is_finished:
                 self.scheduler.finish_request(req.req_id, "abort")
                 self._finish_child(parent, i)
+        self._release_if_idle()
         return self._request_output(parent, set(range(len(parent.children))))
 
     def was_scheduled(self, req_id: str) -> bool:
@@ -174,31 +172,36 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
-        bm = self.block_manager
-        queries, hits = bm.num_queries, bm.num_hits
         sched = self.scheduler.schedule()
-        if not sched:
+        if not sched and not sched.finished_req_ids:
             return []
-        now = time.monotonic()
-        for entry in sched.scheduled:
-            req = self.scheduler.requests[entry.req_id]
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
+        self._mark_scheduled(sched)
         result = self.runner.execute(sched)
         advanced = self.scheduler.update(sched, result)
-        self.last_stats = StepStats(num_preemptions=len(sched.preempted), prefix_cache_queries=bm.num_queries - queries,
-                                    prefix_cache_hits=bm.num_hits - hits)
+        self.last_stats = self.scheduler.stats
         outputs = self._process(advanced)
-        st = self.last_stats
-        st.num_running, st.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
-        st.kv_cache_usage = self.block_manager.usage
+        self._release_if_idle()
         return outputs
 
-    def _process(self, advanced: list[Request]) -> list[RequestOutput]:
+    def _release_if_idle(self) -> None:
+        """With nothing left to run no step would tell the runner which requests finished: tell
+        it now, so their sampling state (and a draft model's KV blocks) do not wait for the next
+        request."""
+        if not self.scheduler.has_unfinished() and self.scheduler.has_finished_to_report():
+            self.runner.execute(self.scheduler.schedule())
+
+    def _mark_scheduled(self, sched) -> None:
         now = time.monotonic()
+        for entry in sched.scheduled:
+            m = self.scheduler.requests[entry.req_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+
+    def _process(self, advanced: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """Text deltas and stop strings for the tokens each request gained; a stop string inside a
+        step's tokens ends the request there (the tokens after it are dropped)."""
         touched: dict[str, tuple[_Parent, set[int]]] = {}
-        st = self.last_stats
-        for req in advanced:
+        for req, num_new in advanced:
             if req.req_id not in self._child_parent:  # a sibling failed earlier in this loop
                 continue
             parent, i = self._child_parent[req.req_id]
@@ -211,31 +214,27 @@ class LLMEngine:
                         self._finish_child(parent, j)
                 touched[parent.req_id] = (parent, set(range(len(parent.children))))
                 continue
-            m = req.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-                st.ttft.append(now - m.arrival_time)
-                st.num_prompt_tokens += req.prompt_len
-            else:
-                st.itl.append(now - m.last_token_time)
-            m.last_token_time = now
-            st.num_generation_tokens += 1
             detok = parent.detoks[i]
             if detok is not None:
-                stop = detok.add_tokens([req.token_ids[-1]])
-                if stop is not None and not req.is_finished:
-                    req.finish_reason, req.stop_reason = "stop", stop
-                    self.scheduler.finish_request(req.req_id, "stop")
+                first = req.num_tokens - num_new
+                for pos in range(first, req.num_tokens):
+                    stop = detok.add_tokens([req.token_ids[pos]])
+                    if stop is not None:
+                        del req.token_ids[pos + 1:]
+                        del req.logprobs[pos + 1 - req.prompt_len:]
+                        req.finish_reason, req.stop_reason = "stop", stop
+                        if not req.is_finished:
+                            self.scheduler.finish_request(req.req_id, "stop")
+                        break
             if req.is_finished:
                 self._finish_child(parent, i)
-                st.finished.append(req)
+                self.last_stats.finished.append(req)
             touched.setdefault(parent.req_id, (parent, set()))[1].add(i)
         return [self._request_output(p, idx) for p, idx in touched.values()]
 
     def _finish_child(self, parent: _Parent, i: int) -> None:
         req = parent.children[i]
         req.metrics.finished_time = time.monotonic()
-        self.runner.remove_request(req.req_id)
         self._child_parent.pop(req.req_id, None)
         if all(c.is_finished for c in parent.children):
             self.parents.pop(parent.req_id, None)

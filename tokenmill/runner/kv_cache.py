@@ -20,20 +20,22 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 def num_blocks_for(arch: ArchConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   kv_cache_memory: int | None, gpu_memory_utilization: float) -> tuple[int, int]:
+                   kv_cache_memory: int | None, gpu_memory_utilization: float,
+                   extra_bytes_per_block: int = 0) -> tuple[int, int]:
     """(num_blocks, budget_bytes). CPU: the explicit byte budget. CUDA: what is left of
-    `gpu_memory_utilization` of the card once the weights are loaded."""
+    `gpu_memory_utilization` of the card once the weights are loaded. `extra_bytes_per_block`:
+    a second cache with as many blocks shares the budget (a draft model's)."""
     if kv_cache_memory is None:
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
             kv_cache_memory = int(free - total * (1.0 - gpu_memory_utilization))
         else:
             kv_cache_memory = 2 << 30
-    num = kv_cache_memory // bytes_per_block(arch, block_size, dtype)
+    per_block = bytes_per_block(arch, block_size, dtype) + extra_bytes_per_block
+    num = kv_cache_memory // per_block
     if num < 1:
         raise ValueError(f"KV cache budget of {kv_cache_memory} bytes holds no {block_size}-token block "
-                         f"(one needs {bytes_per_block(arch, block_size, dtype)} bytes); raise kv_cache_memory "
-                         "or gpu_memory_utilization.")
+                         f"(one needs {per_block} bytes); raise kv_cache_memory or gpu_memory_utilization.")
     return int(num), int(kv_cache_memory)
 
 

@@ -1,23 +1,27 @@
-"""ModelRunner: turns a SchedulerOutput into tensors, runs the model once, samples, and hands
-back plain Python ints (one device-to-host copy per step).
+"""ModelRunner: turns a SchedulerOutput into tensors, runs the model once, samples (verifying
+drafts where the scheduler sent some), proposes the next drafts, and hands back plain Python ints
+(one device-to-host copy per step).
 
-It keeps per-request sampling state (params, tokens so far, seeded generator) between steps,
-registered by the engine with `add_request` and dropped with `remove_request`.
+Everything it knows about requests comes through the SchedulerOutput: a request's sampling state
+(params, tokens so far) and block table arrive when it is first scheduled, the table changes as
+deltas, and the state is dropped when its id comes back in `finished_req_ids`.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.core.sched_output import RunnerOutput, SchedulerOutput
+from tokenmill.core.sched_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
 from tokenmill.models import decode_stack
 from tokenmill.models.llama import CausalLM
 from tokenmill.runner import kv_cache
-from tokenmill.sampling.sampler import Sampler, SamplingRow
+from tokenmill.sampling import rejection
+from tokenmill.sampling.sampler import Sampler, SamplingRow, noise_seed
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.request import DraftRequest
 from tokenmill.utils import gather_in_huge_pages
 
 log = logging.getLogger("tokenmill")
@@ -28,15 +32,15 @@ SAMPLING_FAILED = "sampling this request's next token failed (an internal error;
 @dataclass
 class _ReqState:
     params: SamplingParams
-    token_ids: list[int]
+    token_ids: list[int]          # prompt + output so far, as the scheduler has them after each step
     prompt_len: int
     eos_ids: list[int]
-    generator: torch.Generator | None
+    block_table: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, proposer=None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -48,83 +52,148 @@ class ModelRunner:
                                   for f in ("q", "s", "m") if hasattr(qw.panels, f)])
         model.decode_stack = decode_stack.build(model)
         self.sampler = Sampler()
+        self.proposer = proposer  # tokenmill.spec: fills drafts for the next step, or None
         self.states: dict[str, _ReqState] = {}
 
     # ---------------------------------------------------------------- request state
-    def add_request(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_ids: set[int]) -> None:
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-        self.states[req_id] = _ReqState(params, list(prompt_token_ids), len(prompt_token_ids),
-                                        sorted(eos_ids), gen)
-
-    def remove_request(self, req_id: str) -> None:
-        self.states.pop(req_id, None)
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.states.pop(req_id, None)
+            if self.proposer is not None:
+                self.proposer.drop(req_id)
+        for new in sched.new_requests:
+            self.states[new.req_id] = _ReqState(new.params, list(new.token_ids), new.prompt_len, new.eos_token_ids)
+        for s in sched.scheduled:
+            table = self.states[s.req_id].block_table
+            del table[s.num_kept_blocks:]
+            table.extend(s.new_block_ids)
+        if self.proposer is not None:
+            for req_id in sched.preempted:
+                self.proposer.preempted(req_id)
 
     # ---------------------------------------------------------------- one step
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
+        """Take in the step's request changes and run the model: the logits of every sampled
+        position (a request with drafts has 1 + k), and whose each row is."""
+        self._update_states(sched)
+        if not sched.scheduled:
+            return None, []
         input_ids, positions, meta, sample_idx, sample_ids = self._prepare(sched)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
-        out = RunnerOutput()
         if not sample_ids:
+            return None, []
+        return self.model.compute_logits(hidden[sample_idx]), sample_ids
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        logits, sample_ids = self.forward(sched)
+        if logits is None:
             return out
-        logits = self.model.compute_logits(hidden[sample_idx])
+        entries = [s for s in sched.scheduled if s.sample]  # one row per sampled position, in this order
         # faults that belong to one request fail that request only (the engine keeps the others):
         # a row with NaN or infinity anywhere (one pass: its sum is then not finite) ...
-        bad = (~torch.isfinite(logits.sum(dim=-1))).nonzero()[:, 0].tolist()
+        bad = {sample_ids[i] for i in (~torch.isfinite(logits.sum(dim=-1))).nonzero()[:, 0].tolist()}
         if bad:
-            for i in bad:
-                out.failed[sample_ids[i]] = NON_FINITE
-            keep = sorted(set(range(len(sample_ids))) - set(bad))
-            logits, sample_ids = logits[keep], [sample_ids[i] for i in keep]
-            if not sample_ids:
+            for req_id in bad:
+                out.failed[req_id] = NON_FINITE
+            keep = [i for i, r in enumerate(sample_ids) if r not in bad]
+            logits, entries = logits[keep], [e for e in entries if e.req_id not in bad]
+            if not entries:
                 return out
-        rows = [self._row(req_id) for req_id in sample_ids]
+        rows = [row for e in entries for row in self._rows(e)]
         try:
-            self._take(self.sampler(logits, rows), sample_ids, out)
-        except Exception:  # noqa: BLE001 - ... and a sampler error: find the row(s) that raise
-            log.exception("sampling a batch of %d failed; sampling its rows one by one", len(rows))
-            for i, req_id in enumerate(sample_ids):
+            self._take(self.sampler(logits, rows), entries, out, logits, rows)
+        except Exception:  # noqa: BLE001 - ... and a sampler error: find the request(s) whose rows raise
+            log.exception("sampling a batch of %d rows failed; sampling request by request", len(rows))
+            offset = 0
+            for e in entries:
+                n = 1 + e.num_drafts
+                part, part_rows = logits[offset:offset + n], rows[offset:offset + n]
                 try:
-                    self._take(self.sampler(logits[i:i + 1], rows[i:i + 1]), [req_id], out)
+                    self._take(self.sampler(part, part_rows), [e], out, part, part_rows)
                 except Exception:  # noqa: BLE001
-                    log.exception("sampling request %s failed", req_id)
-                    out.failed[req_id] = SAMPLING_FAILED
+                    log.exception("sampling request %s failed", e.req_id)
+                    out.failed[e.req_id] = SAMPLING_FAILED
+                offset += n
+        if self.proposer is not None:
+            wanted = []
+            for e in entries:
+                if e.num_propose > 0 and e.req_id in out.sampled:
+                    st = self.states[e.req_id]
+                    wanted.append(DraftRequest(e.req_id, st.token_ids, st.prompt_len, st.params, e.num_propose))
+            if wanted:
+                out.draft_token_ids = self.proposer.propose(wanted)
         return out
 
-    def _take(self, result, sample_ids: list[str], out: RunnerOutput) -> None:
-        """Commit a sampler result: nothing is recorded unless all of it converts."""
+    def _take(self, result, entries: list[ScheduledRequest], out: RunnerOutput, logits: torch.Tensor,
+              rows: list[SamplingRow]) -> None:
+        """Commit a sampler result: each request keeps its accepted drafts and one token from the
+        target. Drafts from a model come with their distribution q and take the general rule;
+        the rest (prompt lookup, greedy drafts) are point masses. Nothing is recorded unless all
+        of it converts."""
         tokens, part = result.token_ids.tolist(), RunnerOutput()
-        if result.logprobs is not None:
-            self._collect_logprobs(result, sample_ids, part)
-        for req_id, tok in zip(sample_ids, tokens):
-            out.sampled[req_id] = tok
-            self.states[req_id].token_ids.append(tok)
+        logprobs = self._logprobs(result, entries) if result.logprobs is not None else None
+        offset = 0
+        for e in entries:
+            n = 1 + e.num_drafts
+            drafts = e.token_ids[len(e.token_ids) - e.num_drafts:]
+            q = self.proposer.draft_probs(e.req_id) if e.num_drafts and self.proposer is not None else None
+            k = self.states[e.req_id].params.logprobs
+            if q is None:
+                emitted = rejection.accept_point_mass(drafts, tokens[offset:offset + n])
+                if k is not None:
+                    part.logprobs[e.req_id] = logprobs[offset:offset + len(emitted)]
+            else:
+                emitted = self._accept_sampled(drafts, q[:len(drafts)], logits[offset:offset + n],
+                                               rows[offset:offset + n])
+                if k is not None:
+                    part.logprobs[e.req_id] = _logprobs_of(logits[offset:offset + len(emitted)], emitted, k)
+            part.sampled[e.req_id] = emitted
+            offset += n
+        for req_id, emitted in part.sampled.items():
+            self.states[req_id].token_ids.extend(emitted)
+        out.sampled.update(part.sampled)
         out.logprobs.update(part.logprobs)
 
-    def _row(self, req_id: str) -> SamplingRow:
-        st = self.states[req_id]
-        p = st.params
-        banned = []
-        if len(st.token_ids) - st.prompt_len < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_ids)
-        return SamplingRow(p, st.token_ids, st.prompt_len, st.generator, banned)
+    def _accept_sampled(self, drafts: list[int], q: torch.Tensor, logits: torch.Tensor,
+                        rows: list[SamplingRow]) -> list[int]:
+        p = self.sampler.distribution(logits, rows)
+        seed = rows[0].params.seed
+        index = len(rows[0].token_ids) - rows[0].prompt_len  # output index of the first scored position
+        u_seeds = [None if seed is None else noise_seed(seed ^ rejection.ACCEPT_SALT, index + i)
+                   for i in range(len(drafts))]
+        u = self.sampler.uniform(len(drafts), u_seeds, logits.device).tolist()
 
-    def _collect_logprobs(self, result, sample_ids: list[str], out: RunnerOutput) -> None:
+        def draw(weights: torch.Tensor, i: int) -> int:
+            return int(self.sampler.race(weights[None], [rows[i].seed])[0])
+        return rejection.accept_with_probs(drafts, p, q, u, draw)
+
+    def _rows(self, e: ScheduledRequest) -> list[SamplingRow]:
+        """One row per scored position: the plain next-token row, or, with drafts, the rows after
+        each draft prefix (their penalties, min_tokens and seed as if those drafts were accepted)."""
+        st = self.states[e.req_id]
+        p = st.params
+        drafts = e.token_ids[len(e.token_ids) - e.num_drafts:]
+        rows = []
+        for i in range(1 + e.num_drafts):
+            history = st.token_ids + drafts[:i] if i else st.token_ids
+            n_out = len(history) - st.prompt_len
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_ids) if n_out < p.min_tokens else []
+            seed = None if p.seed is None else noise_seed(p.seed, n_out)
+            rows.append(SamplingRow(p, history, st.prompt_len, seed, banned))
+        return rows
+
+    def _logprobs(self, result, entries: list[ScheduledRequest]) -> list[tuple[float, int, list[tuple[int, float]]]]:
         chosen = result.logprobs.tolist()
         ranks = result.ranks.tolist()
         top_ids = result.top_ids.tolist() if result.top_ids is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        for i, req_id in enumerate(sample_ids):
-            k = self.states[req_id].params.logprobs
-            if k is None:
-                continue
-            top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
-            out.logprobs[req_id] = (chosen[i], ranks[i], top)
+        ks = [self.states[e.req_id].params.logprobs for e in entries for _ in range(1 + e.num_drafts)]
+        return [(chosen[i], ranks[i], list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else [])
+                for i, k in enumerate(ks)]
 
     def _prepare(self, sched: SchedulerOutput):
         """Flat ragged batch: every scheduled request's tokens back to back.
@@ -142,23 +211,28 @@ class ModelRunner:
         sample_idx: list[int] = []
         sample_ids: list[str] = []
         for s in sched.scheduled:
+            table = self.states[s.req_id].block_table
             q_start = len(input_ids)
             n = len(s.token_ids)
             input_ids.extend(s.token_ids)
             pos = range(s.start_pos, s.start_pos + n)
             positions.extend(pos)
-            slots.extend(s.block_table[p // bs] * bs + p % bs for p in pos)
+            slots.extend(table[p // bs] * bs + p % bs for p in pos)
             ctx_len = s.start_pos + n
             nb = -(-ctx_len // bs)
-            if n == 1 and s.start_pos > 0:
-                decode_idx.append(q_start)
-                decode_tables.append(s.block_table[:nb])
-                decode_lens.append(ctx_len)
+            if s.start_pos > 0 and n == 1 + s.num_drafts:
+                # a decode, and its drafts: row i attends over the context up to its own position,
+                # exactly as the i-th of 1 + k successive decode steps would
+                for i in range(n):
+                    decode_idx.append(q_start + i)
+                    decode_tables.append(table[:nb])
+                    decode_lens.append(s.start_pos + i + 1)
             else:
-                prefills.append((q_start, n, s.start_pos, s.block_table[:nb]))
+                prefills.append((q_start, n, s.start_pos, table[:nb]))
             if s.sample:
-                sample_idx.append(q_start + n - 1)
-                sample_ids.append(s.req_id)
+                first = q_start + n - 1 - s.num_drafts
+                sample_idx.extend(range(first, q_start + n))
+                sample_ids.extend([s.req_id] * (1 + s.num_drafts))
 
         dev = self.device
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
@@ -181,3 +255,13 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev), sample_ids)
+
+
+def _logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Logprob, rank and top-k of `tokens[i]` under row i of the raw logits."""
+    raw = torch.log_softmax(logits, dim=-1)
+    chosen = raw[torch.arange(len(tokens)), torch.tensor(tokens)]
+    ranks = ((raw > chosen[:, None]).sum(dim=-1) + 1).tolist()
+    top_lps, top_ids = raw.topk(k, dim=-1) if k else (None, None)
+    return [(c, r, list(zip(top_ids[i].tolist(), top_lps[i].tolist())) if k else [])
+            for i, (c, r) in enumerate(zip(chosen.tolist(), ranks))]

@@ -1,9 +1,11 @@
 """Batched sampler: one call per step for every request that samples, each with its own params.
 
 Sampling uses the exponential race (argmax of p / q with q ~ Exp(1)), which draws exactly from p
-and lets a seeded request take its noise from its own generator: its output depends on its seed
-alone, not on whatever else shares the batch. Logprobs are those of the model's raw distribution
-(before penalties and temperature), as in vLLM.
+and lets a seeded row take its noise from a generator seeded for that row alone: `noise_seed`
+mixes the request's seed with the index of the output token, so a seeded request's output
+depends on its seed alone — not on whatever else shares the batch, nor on how many tokens a step
+produced (speculative decoding samples several positions of one request in one step). Logprobs are
+those of the model's raw distribution (before penalties and temperature), as in vLLM.
 """
 from __future__ import annotations
 
@@ -15,12 +17,24 @@ from tokenmill import kernels
 from tokenmill.sampling_params import SamplingParams
 
 
+_MASK64 = 2**64 - 1
+
+
+def noise_seed(seed: int, index: int) -> int:
+    """The generator seed of output token `index` of a request seeded with `seed` (splitmix64 of
+    the pair, so neighbouring seeds and indices give unrelated streams)."""
+    z = ((seed & _MASK64) * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 @dataclass
 class SamplingRow:
     params: SamplingParams
     token_ids: list[int]        # prompt + output so far (for penalties)
     prompt_len: int
-    generator: torch.Generator | None
+    seed: int | None            # noise_seed of this row's draw, None: the global generator
     banned: list[int]           # token ids that may not be sampled now (EOS before min_tokens)
 
 
@@ -34,24 +48,25 @@ class SamplerOutput:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device, seed: int) -> torch.Generator:
+        g = self._generators.get(device)
+        if g is None:
+            g = self._generators[device] = torch.Generator(device=device)
+        return g.manual_seed(seed)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: (N, V) float32, one row per entry of `rows`."""
-        device = logits.device
         max_k = max((r.params.logprobs for r in rows if r.params.logprobs is not None), default=None)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_k is not None else None
 
-        if any(r.banned for r in rows):
-            logits = logits.clone()
-            for i, r in enumerate(rows):
-                if r.banned:
-                    logits[i, r.banned] = float("-inf")
-        if any(r.params.needs_penalties for r in rows):
-            logits = _apply_penalties(logits, rows)
-
+        logits = self.adjust(logits, rows)
         tokens = _argmax(logits)
         if not all(r.params.greedy for r in rows):
-            greedy = torch.tensor([r.params.greedy for r in rows], device=device)
-            sampled = self._sample(logits, rows)
+            greedy = torch.tensor([r.params.greedy for r in rows], device=logits.device)
+            sampled = self.race(self.probs(logits, rows), [r.seed for r in rows])
             tokens = torch.where(greedy, tokens, sampled)
 
         out = SamplerOutput(token_ids=tokens)
@@ -63,7 +78,23 @@ class Sampler:
                 out.top_logprobs, out.top_ids = raw_logprobs.topk(max_k, dim=-1)
         return out
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """(N, V) the distribution each (non-greedy) row samples from, normalised."""
+        return self.probs(self.adjust(logits, rows), rows)
+
+    def adjust(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Banned tokens out, penalties in: the logits greedy rows take the argmax of."""
+        if any(r.banned for r in rows):
+            logits = logits.clone()
+            for i, r in enumerate(rows):
+                if r.banned:
+                    logits[i, r.banned] = float("-inf")
+        if any(r.params.needs_penalties for r in rows):
+            logits = _apply_penalties(logits, rows)
+        return logits
+
+    def probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, top-k / top-p, min-p applied to adjusted logits; rows sum to 1."""
         device = logits.device
         temps = torch.tensor([r.params.temperature if r.params.temperature > 0 else 1.0 for r in rows],
                              device=device)
@@ -74,14 +105,29 @@ class Sampler:
         if any(r.params.min_p > 0 for r in rows):
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+    def race(self, probs: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        """One draw per row of `probs` (any non-negative weights): argmax of probs / Exp(1) noise,
+        the noise of a seeded row from its own seed."""
+        device = probs.device
         q = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        unseeded = [i for i, s in enumerate(seeds) if s is None]
         if unseeded:
             q[unseeded] = torch.empty((len(unseeded), q.shape[1]), device=device).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
+        for i, s in enumerate(seeds):
+            if s is not None:
+                q[i].exponential_(generator=self._generator(device, s))
         return _argmax(probs / q)
+
+    def uniform(self, n: int, seeds: list[int | None], device: torch.device) -> torch.Tensor:
+        """n uniforms in [0, 1), seeded ones from their own seeds."""
+        u = torch.rand(n, device=device)
+        for i, s in enumerate(seeds):
+            if s is not None:
+                u[i] = torch.rand(1, device=device, generator=self._generator(device, s))[0]
+        return u
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

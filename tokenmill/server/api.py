@@ -534,7 +534,8 @@ def _timings(out: RequestOutput) -> P.Timings | None:
     return P.Timings(queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
                      ttft=None if m.first_token_time is None else m.first_token_time - m.arrival_time,
                      decode_tokens_per_s=decode, e2e=None if end is None else end - m.arrival_time,
-                     cached_prompt_tokens=m.num_cached_tokens, preemptions=m.num_preemptions)
+                     cached_prompt_tokens=m.num_cached_tokens, preemptions=m.num_preemptions,
+                     draft_tokens=m.num_draft_tokens, accepted_draft_tokens=m.num_accepted_tokens)
 
 
 def _token_str(client, tid: int) -> str:

@@ -36,6 +36,19 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram(p + "request_queue_time_seconds", "Arrival to first scheduled", labels,
                                buckets=_LATENCY_BUCKETS, registry=r)
+        # speculative decoding, as vLLM counts it: verifications, drafts, accepted drafts (also by
+        # position in the draft), and tokens emitted by verifications (accepted + one each)
+        self.spec_drafts = Counter(p + "spec_decode_num_drafts", "Verifications of a request's draft", labels,
+                                   registry=r)
+        self.spec_draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Draft tokens verified", labels,
+                                         registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "Draft tokens accepted", labels,
+                                     registry=r)
+        self.spec_emitted = Counter(p + "spec_decode_num_emitted_tokens", "Tokens emitted by verifications",
+                                    labels, registry=r)
+        self.spec_accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft", labels + ["position"],
+                                         registry=r)
         self.labels = {"model_name": model_name}
         for reason in ("stop", "length", "abort"):
             self.success.labels(**self.labels, finished_reason=reason)
@@ -55,6 +68,13 @@ class Metrics:
             self.prefix_hits.labels(**lb).inc(st.prefix_cache_hits)
         if st.num_generation_tokens:
             self.generation_tokens.labels(**lb).inc(st.num_generation_tokens)
+        if st.num_drafts:
+            self.spec_drafts.labels(**lb).inc(st.num_drafts)
+            self.spec_draft_tokens.labels(**lb).inc(st.num_draft_tokens)
+            self.spec_accepted.labels(**lb).inc(st.num_accepted_tokens)
+            self.spec_emitted.labels(**lb).inc(st.num_accepted_tokens + st.num_drafts)
+            for pos, n in enumerate(st.accepted_per_pos):
+                self.spec_accepted_pos.labels(**lb, position=str(pos)).inc(n)
         for v in st.ttft:
             self.ttft.labels(**lb).observe(v)
         for v in st.itl:

@@ -135,6 +135,8 @@ class Timings(BaseModel):
     e2e: float | None = None
     cached_prompt_tokens: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0            # speculative decoding: drafts verified for this request
+    accepted_draft_tokens: int = 0   # of those, accepted
 
 
 class CompletionChoice(BaseModel):

@@ -1,0 +1,1 @@
+"""Draft proposers for speculative decoding (prompt lookup, draft model)."""
