@@ -522,3 +522,29 @@ async def _drain(stream):
     async for out in stream:
         last = out
     return last
+
+
+def test_the_engine_is_built_on_the_thread_that_steps_it_and_a_build_error_reaches_the_caller(tiny_llama):
+    """Built on the main thread and stepped on another, the kernels ran in two OpenMP teams and
+    libgomp stopped spin-waiting (RESULTS.md: the server's single-stream decode). The factory runs
+    on the engine thread; what it raises, the constructor raises."""
+    import threading
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread().name)
+        return LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, skip_tokenizer_init=True, dtype="float32"))
+
+    client = AsyncEngine(build)
+    try:
+        assert built_on == ["tokenmill-engine"] and client.max_model_len == client.engine.max_model_len
+    finally:
+        client.shutdown()
+    with pytest.raises(ValueError, match="max_model_len 99999"):
+        AsyncEngine(lambda: LLMEngine(EngineConfig.from_kwargs(model=tiny_llama, skip_tokenizer_init=True,
+                                                               max_model_len=99999)))

@@ -135,11 +135,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     keys = [k.strip() for k in keys]
     if args.cache_salt_from_api_key and not keys:
         raise ValueError("--cache-salt-from-api-key needs API keys (--api-key or TOKENMILL_API_KEY).")
-    engine = LLMEngine(EngineConfig.from_kwargs(**_engine_kwargs(args)))
+    config = EngineConfig.from_kwargs(**_engine_kwargs(args))
+    # built on its own thread, the one that steps it (AsyncEngine says why)
+    client = AsyncEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len,
+                         request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
+    engine = client.engine
     names = args.served_model_name or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
-    client = AsyncEngine(engine, stat_logger=metrics.record, max_queue_len=args.max_queue_len,
-                         request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
+    client.stat_logger = metrics.record
     app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys,
                                          max_request_bytes=args.max_request_bytes,
                                          client_timeout=args.client_timeout, metrics_public=args.metrics_public,

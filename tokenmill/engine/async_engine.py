@@ -64,17 +64,22 @@ class EngineClient(Protocol):
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, stat_logger: Callable[[StepStats], None] | None = None,
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
+                 stat_logger: Callable[[StepStats], None] | None = None,
                  max_queue_len: int | None = None, on_dead: Callable[[BaseException], None] | None = None,
                  request_timeout: float | None = None, max_queue_time: float | None = None) -> None:
-        """`on_dead`: called (on the engine thread) once a step fails beyond one request, after every
+        """`engine`: the engine, or (better) a function that builds it, called on the engine thread.
+        The model's kernels run in OpenMP thread teams, one per thread that starts parallel work;
+        when loading runs on one thread and steps on another there are two teams, more OpenMP
+        threads than cores, and libgomp then stops spin-waiting between parallel regions: every
+        region sleeps and wakes its workers through the kernel, which made single-stream decode
+        in the server a fraction of the offline speed (RESULTS.md). Built and stepped on one thread,
+        the engine has one team. A build error is raised here.
+        `on_dead`: called (on the engine thread) once a step fails beyond one request, after every
         in-flight request has been failed; the server uses it to exit non-zero.
         `request_timeout` / `max_queue_time` (seconds from submission; None: no limit) are enforced
         on the engine thread between steps, so a request is stopped and its KV blocks freed even
         when nothing on the event loop is waiting on it."""
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
         self.stat_logger = stat_logger
         self.max_queue_len = max_queue_len
         self.on_dead = on_dead
@@ -88,8 +93,26 @@ class AsyncEngine:
         self._engine_waiting = 0  # the scheduler's waiting queue as of the engine thread's last look
         self._pending_adds = 0    # submitted by the event loop, not yet taken by the engine thread
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        ready, failed = threading.Event(), []
+        self._thread = threading.Thread(target=self._main, args=(engine, ready, failed), name="tokenmill-engine",
+                                        daemon=True)
         self._thread.start()
+        ready.wait()
+        if failed:
+            self._thread.join()
+            raise failed[0]
+
+    def _main(self, engine: LLMEngine | Callable[[], LLMEngine], ready: threading.Event, failed: list) -> None:
+        try:
+            self.engine = engine if isinstance(engine, LLMEngine) else engine()
+            self.tokenizer = self.engine.tokenizer
+            self.max_model_len = self.engine.max_model_len
+        except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
+            failed.append(e)
+            return
+        finally:
+            ready.set()
+        self._run()
 
     # ---------------------------------------------------------------- event-loop side
     async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
