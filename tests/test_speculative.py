@@ -181,6 +181,19 @@ def test_greedy_with_drafts_equals_greedy_without(tiny_llama, engine_kw, propose
         llm.engine.runner.proposer.bm.check_integrity([])
 
 
+def test_a_draft_model_catches_up_on_long_prompts_over_several_steps(tiny_llama, monkeypatch):
+    """A prompt longer than what the draft feeds in one step: it takes several steps (drafting
+    nothing meanwhile), and then drafts; the output is the target's either way."""
+    from tokenmill.spec import draft_model
+
+    monkeypatch.setattr(draft_model, "MAX_CATCH_UP", 8)
+    prompts = repetitive_prompts(6, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base, _, _ = generate(tiny_llama, prompts, params)
+    spec, metrics, _ = generate(tiny_llama, prompts, params, draft_of(tiny_llama))
+    assert spec == base and sum(m.num_accepted_tokens for m in metrics) > 0
+
+
 def test_draft_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
     import transformers
 

@@ -125,8 +125,19 @@ class ModelRunner:
                     st = self.states[e.req_id]
                     wanted.append(DraftRequest(e.req_id, st.token_ids, st.prompt_len, st.params, e.num_propose))
             if wanted:
-                out.draft_token_ids = self.proposer.propose(wanted)
+                out.draft_token_ids = self._propose(wanted)
         return out
+
+    def _propose(self, wanted: list[DraftRequest]) -> dict[str, list[int]]:
+        """Drafts are an optimisation: a proposer that fails costs its drafts this step (and its
+        state for these requests, so it starts over), never the requests."""
+        try:
+            return self.proposer.propose(wanted)
+        except Exception:  # noqa: BLE001
+            log.exception("proposing drafts for %d request(s) failed; they go on without drafts", len(wanted))
+            for w in wanted:
+                self.proposer.drop(w.req_id)
+            return {}
 
     def _take(self, result, entries: list[ScheduledRequest], out: RunnerOutput, logits: torch.Tensor,
               rows: list[SamplingRow]) -> None:

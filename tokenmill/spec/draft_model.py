@@ -93,9 +93,11 @@ class DraftModelProposer:
         probs: dict[str, list[torch.Tensor]] = {r: [] for r in active}
         while sched.scheduled:
             logits, ids = self.runner.forward(sched)
+            sched = SchedulerOutput()
+            if logits is None:  # every request was still catching up on its prompt
+                break
             rows_for = [active[r] for r in ids]
             toks, q = self._draw(logits, rows_for, drafts)
-            sched = SchedulerOutput()
             for w, tok, qi in zip(rows_for, toks, q):
                 drafts[w.req_id].append(tok)
                 if qi is not None:
