@@ -12,28 +12,9 @@ from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
 
-def _kernel_bytes(qweight) -> int:
-    """Bytes of the tensors a quantized weight's kernel reads: its panels when it has them."""
-    src = qweight.panels if getattr(qweight, "panels", None) is not None else qweight
-    return sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
-
-
 def weight_bytes_per_token(engine: LLMEngine) -> int:
-    """Bytes of weights one decode step reads: every linear layer and the output head (the
-    embedding table contributes one row)."""
-    model = engine.runner.model
-    total = 0
-    for module in model.modules():
-        q = getattr(module, "qweight", None)
-        if q is not None:
-            total += _kernel_bytes(q)
-        elif getattr(module, "weight", None) is not None and module is not model.model.embed_tokens:
-            total += module.weight.numel() * module.weight.element_size()
-    if model.lm_head is None:
-        head = model.tied_head_q
-        total += _kernel_bytes(head) if head is not None else \
-            model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    return total
+    """Bytes of weights one decode step reads (gpt-fast's bandwidth figure divides by this)."""
+    return engine.runner.model.decode_weight_bytes()
 
 
 def latency(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int, ignore_eos: bool = True) -> dict:

@@ -11,7 +11,10 @@ that maximises
 
     (E(k) - 1) * t(B) / B  -  k * ROW_COST * t0,
 
-the time saved minus the time spent. At batch 1 drafts are cheap and long ones pay; as the batch
+the time saved minus the time spent. A draft model also spends its own steps: k drafts cost k
+of them, each `draft_cost` of a target step at the same batch (the ratio of the weight bytes the
+two read per step: decode is bound by reading them), so with a draft model the saving is
+(E(k) - 1 - k * draft_cost) * t(B) / B. At batch 1 drafts are cheap and long ones pay; as the batch
 grows a token's share of the step shrinks while a draft row costs the same, so k falls, and with
 low acceptance it reaches 0. Each request keeps a decaying estimate of its own a. A request
 whose drafts stopped paying proposes one draft every `PROBE_EVERY` steps, so a change in the text
@@ -36,11 +39,12 @@ def expected_tokens(a: float, k: int) -> float:
 
 class DraftPolicy:
     def __init__(self, num_speculative_tokens: int, disable_by_batch_size: int | None, adaptive: bool,
-                 row_cost: float = ROW_COST) -> None:
+                 row_cost: float = ROW_COST, draft_cost: float = 0.0) -> None:
         self.k_max = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.adaptive = adaptive
         self.row_cost = row_cost
+        self.draft_cost = draft_cost  # a draft model's step, in target steps (0: prompt lookup)
 
     def num_propose(self, req: Request, num_running: int) -> int:
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
@@ -51,7 +55,7 @@ class DraftPolicy:
         a = accepted / trials
         token_cost = (1.0 + self.row_cost * (num_running - 1)) / max(num_running, 1)  # t(B) / B, in t0
         best = max(range(self.k_max + 1),
-                   key=lambda k: (expected_tokens(a, k) - 1.0) * token_cost - k * self.row_cost)
+                   key=lambda k: (expected_tokens(a, k) - 1.0 - k * self.draft_cost) * token_cost - k * self.row_cost)
         if best == 0:
             req.spec_idle_steps += 1
             if req.spec_idle_steps >= PROBE_EVERY:

@@ -78,8 +78,9 @@ class LLMEngine:
                                                              self.kv_dtype, cc.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype, proposer)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
+        draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
-                                                       spec.adaptive)
+                                                       spec.adaptive, draft_cost=draft_cost)
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                                    sc.scheduling_policy), self.block_manager, policy)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()

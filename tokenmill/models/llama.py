@@ -139,8 +139,29 @@ class CausalLM(nn.Module):
         weights = [m.qweight for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
         return weights + ([self.tied_head_q] if self.tied_head_q is not None else [])
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every linear layer (a quantized one's kernel
+        panels) and the output head; the embedding table contributes one row."""
+        total = 0
+        for module in self.modules():
+            q = getattr(module, "qweight", None)
+            if q is not None:
+                total += _kernel_bytes(q)
+            elif getattr(module, "weight", None) is not None and module is not self.model.embed_tokens:
+                total += module.weight.numel() * module.weight.element_size()
+        if self.lm_head is None:
+            head, embed = self.tied_head_q, self.model.embed_tokens.weight
+            total += _kernel_bytes(head) if head is not None else embed.numel() * embed.element_size()
+        return total
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+
+def _kernel_bytes(qweight) -> int:
+    """Bytes of the tensors a quantized weight's kernel reads: its panels when it has them."""
+    src = qweight.panels if getattr(qweight, "panels", None) is not None else qweight
+    return sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
 
 
 # checkpoint suffix -> (our parameter suffix, shard of a fused layer)
