@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -230,9 +231,10 @@ def test_logprobs_and_n_with_drafts(tiny_llama):
                 assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 and pa[t].rank == pb[t].rank for t in pa)
 
 
-def test_stop_strings_and_max_tokens_inside_a_draft(default_model):
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_stop_strings_and_max_tokens_inside_a_draft(default_model, proposer):
     """The default model copying a passage: drafts run long, and the stop string, the stop token
-    and max_tokens each land inside one."""
+    and max_tokens each land inside one. Draft model: the target in float32, its Q4_1 self drafting."""
     text = ("The river rises in the hills, runs past the mill and the old stone bridge, and reaches the sea "
             "at the harbour town.")
     prompt = f"Copy this sentence exactly.\n{text}\nCopy:\n{text}\nCopy:\n"
@@ -241,8 +243,12 @@ def test_stop_strings_and_max_tokens_inside_a_draft(default_model):
              SamplingParams(temperature=0, max_tokens=11),
              SamplingParams(temperature=0, max_tokens=23, stop_token_ids=[11])]   # 11: ","
     kw = dict(dtype="float32", kv_cache_memory="64MiB")
+    spec = {**NGRAM, "num_speculative_tokens": 8}
+    if proposer == "draft":
+        kw["quantization"] = "none"
+        spec = {**draft_of(default_model), "quantization": "auto", "num_speculative_tokens": 8}
     plain = LLM(default_model, **kw).generate([prompt] * len(cases), cases, use_tqdm=False)
-    llm = LLM(default_model, speculative_config={**NGRAM, "num_speculative_tokens": 8}, **kw)
+    llm = LLM(default_model, speculative_config=spec, **kw)
     spec = llm.generate([prompt] * len(cases), cases, use_tqdm=False)
     for p, s in zip(plain, spec):
         a, b = p.outputs[0], s.outputs[0]
@@ -298,3 +304,49 @@ def test_sampled_sequences_have_the_distribution_of_no_speculation(tmp_path, pro
     stat = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b) if x + y >= 10)
     df = sum(1 for x, y in zip(a, b) if x + y >= 10) - 1
     assert df > 5 and stat < chi2_threshold(df), (stat, df)
+
+
+# ---------------------------------------------------------------- the real server
+@pytest.mark.slow
+def test_server_with_prompt_lookup_reports_drafts_in_timings_and_metrics():
+    """`tokenmill serve --speculative-config`: the official client's answers are the same text as
+    without drafts would give (greedy), each response's timings count its drafts, and /metrics has
+    vLLM's spec_decode counters. A bad config stops the server at start with the reason."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    from test_server import MODEL, start_server
+
+    bad = subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--speculative-config",
+                          '{"method": "eagle"}'], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown method 'eagle'" in bad.stderr
+    text = "The river rises in the hills, runs past the mill and the old stone bridge, and reaches the sea."
+    messages = [{"role": "user", "content": f"Repeat exactly: {text}"}]
+    answers = []
+    for spec in (None, json.dumps(NGRAM)):
+        proc, base = start_server(*(["--speculative-config", spec] if spec else []))
+        try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+            full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0)
+            chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
+                                                         temperature=0, stream=True))
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            answers.append((full.choices[0].message.content, streamed))
+            timings = full.model_extra["timings"]
+            metrics = httpx.get(base + "/metrics").text
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        if spec:
+            assert 0 < timings["accepted_draft_tokens"] <= timings["draft_tokens"]
+            accepted = float(re.search(r'tokenmill:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)', metrics)[1])
+            assert accepted >= 2 * timings["accepted_draft_tokens"] - 1e-9  # both requests counted
+            assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2",position="0"}' in metrics
+        else:
+            assert timings["draft_tokens"] == 0
+    assert answers[0] == answers[1] and answers[0][0] == answers[0][1]

@@ -40,8 +40,13 @@ class _ReqState:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, proposer=None) -> None:
+                 dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0) -> None:
+        """`short_chunk_rows`: chunks of up to this many tokens after a cached context also run as
+        decode rows (through the native decode stack, not the layer-by-layer prefill path). Only
+        for a model whose numbers need not equal its chunked prefill's: a draft model, whose
+        catch-up on the tokens the target accepted is a short chunk every step."""
         self.model = model
+        self.short_chunk_rows = short_chunk_rows
         self.device = device
         self.block_size = block_size
         self.cache = kv_cache.allocate(model.cfg, num_blocks, block_size, dtype, device)
@@ -231,7 +236,7 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             ctx_len = s.start_pos + n
             nb = -(-ctx_len // bs)
-            if s.start_pos > 0 and n == 1 + s.num_drafts:
+            if s.start_pos > 0 and (n == 1 + s.num_drafts or n <= self.short_chunk_rows):
                 # a decode, and its drafts: row i attends over the context up to its own position,
                 # exactly as the i-th of 1 + k successive decode steps would
                 for i in range(n):

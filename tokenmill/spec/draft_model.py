@@ -36,6 +36,7 @@ from tokenmill.spec.request import DraftRequest
 
 log = logging.getLogger("tokenmill")
 MAX_CATCH_UP = 512  # tokens one request may feed the draft in one step (a long prompt takes several)
+SHORT_CHUNK_ROWS = 32  # a catch-up this short (accepted drafts + the target's token) runs as decode rows
 _PROBE = "Speculative decoding: def f(x):\n    return x * 2  # näive café, 東京, émoji 🙂"
 
 
@@ -56,7 +57,8 @@ def check_compatible(draft: LoadedModel, target: LoadedModel, path: str) -> None
 class DraftModelProposer:
     def __init__(self, draft: LoadedModel, num_blocks: int, block_size: int, device: torch.device,
                  kv_dtype: torch.dtype, enable_prefix_caching: bool = True) -> None:
-        self.runner = ModelRunner(draft.model, num_blocks, block_size, device, kv_dtype)
+        self.runner = ModelRunner(draft.model, num_blocks, block_size, device, kv_dtype,
+                                  short_chunk_rows=SHORT_CHUNK_ROWS)
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.reqs: dict[str, Request] = {}
         self.fed_drafts: dict[str, list[int]] = {}   # drafts whose KV follows the request's verified prefix
