@@ -85,6 +85,22 @@ def test_policy_adapts_to_acceptance_and_batch_size():
     assert policy.num_propose(req, 1) == 4
 
 
+def test_policy_measures_what_proposing_costs():
+    """A draft model whose passes take as long as the target's steps is not worth running, even
+    when every draft is accepted; one that takes a tenth of it is."""
+    from tokenmill.core.sched_output import StepTiming
+
+    req = Request("r", [1, 2, 3], SamplingParams(), set())
+    req.spec_estimate = (99.0, 100.0)
+    for pass_s, expect in ((0.010, 0), (0.001, 4)):
+        policy = DraftPolicy(4, None, adaptive=True, draft_cost=0.1)  # the weight-byte prior says cheap
+        for _ in range(50):
+            policy.observe_timing(StepTiming(forward_s=0.010, decode_rows=1, propose_s=4 * pass_s, propose_passes=4,
+                                             propose_rows=1))
+        assert math.isclose(policy.draft_cost, pass_s / 0.010, rel_tol=1e-6)
+        assert policy.num_propose(req, 1) == expect
+
+
 # ---------------------------------------------------------------- scheduler bookkeeping
 def test_drafts_count_in_budget_get_lookahead_blocks_and_give_them_back():
     bm = BlockManager(16, 4, enable_prefix_caching=True)

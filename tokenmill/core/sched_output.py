@@ -82,3 +82,16 @@ class RunnerOutput:
     logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why this request's step failed
+    timing: StepTiming | None = None
+
+
+@dataclass
+class StepTiming:
+    """What the step's work took, for the draft policy's cost estimates: the target's forward
+    pass over `decode_rows` rows (0 when the step also held prompt chunks), and the proposer's
+    `propose_passes` passes over `propose_rows` requests."""
+    forward_s: float
+    decode_rows: int
+    propose_s: float = 0.0
+    propose_passes: int = 0
+    propose_rows: int = 0

@@ -211,6 +211,8 @@ class Scheduler:
                                     prefix_cache_queries=queries - self._lookups[0],
                                     prefix_cache_hits=hits - self._lookups[1])
         self._lookups = (queries, hits)
+        if self.draft_policy is not None and result.timing is not None:
+            self.draft_policy.observe_timing(result.timing)
         advanced = []
         for entry in sched.scheduled:
             req = self.requests.get(entry.req_id)

@@ -9,11 +9,12 @@ deltas, and the state is dropped when its id comes back in `finished_req_ids`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.core.sched_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepTiming
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
 from tokenmill.models import decode_stack
 from tokenmill.models.llama import CausalLM
@@ -58,6 +59,7 @@ class ModelRunner:
         model.decode_stack = decode_stack.build(model)
         self.sampler = Sampler()
         self.proposer = proposer  # tokenmill.spec: fills drafts for the next step, or None
+        self._decode_rows = 0     # rows of the last forward pass when all were decode rows, else 0
         self.states: dict[str, _ReqState] = {}
 
     # ---------------------------------------------------------------- request state
@@ -94,7 +96,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
+        t0 = time.perf_counter()
         logits, sample_ids = self.forward(sched)
+        out.timing = StepTiming(time.perf_counter() - t0, self._decode_rows)
         if logits is None:
             return out
         entries = [s for s in sched.scheduled if s.sample]  # one row per sampled position, in this order
@@ -130,7 +134,11 @@ class ModelRunner:
                     st = self.states[e.req_id]
                     wanted.append(DraftRequest(e.req_id, st.token_ids, st.prompt_len, st.params, e.num_propose))
             if wanted:
+                t0 = time.perf_counter()
                 out.draft_token_ids = self._propose(wanted)
+                out.timing.propose_s = time.perf_counter() - t0
+                out.timing.propose_passes = getattr(self.proposer, "last_passes", 1)
+                out.timing.propose_rows = len(wanted)
         return out
 
     def _propose(self, wanted: list[DraftRequest]) -> dict[str, list[int]]:
@@ -251,6 +259,7 @@ class ModelRunner:
                 sample_ids.extend([s.req_id] * (1 + s.num_drafts))
 
         dev = self.device
+        self._decode_rows = 0 if prefills else len(decode_idx)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev))
         if decode_idx:
             width = max(len(t) for t in decode_tables)

@@ -64,6 +64,7 @@ class DraftModelProposer:
         self.fed_drafts: dict[str, list[int]] = {}   # drafts whose KV follows the request's verified prefix
         self.probs: dict[str, torch.Tensor] = {}     # (k, V) q of the last drafts of sampling requests
         self.sampler = self.runner.sampler
+        self.last_passes = 0  # forward passes of the last propose call (the draft policy times them)
 
     # ---------------------------------------------------------------- lifecycle
     def drop(self, req_id: str) -> None:
@@ -93,7 +94,9 @@ class DraftModelProposer:
                     active[w.req_id] = w
         drafts: dict[str, list[int]] = {r: [] for r in active}
         probs: dict[str, list[torch.Tensor]] = {r: [] for r in active}
+        self.last_passes = 0
         while sched.scheduled:
+            self.last_passes += 1
             logits, ids = self.runner.forward(sched)
             sched = SchedulerOutput()
             if logits is None:  # every request was still catching up on its prompt
