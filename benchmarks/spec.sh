@@ -10,7 +10,7 @@
 source "$(dirname "$0")/common.sh"
 NAME=${NAME:-smollm2}; REPS=${REPS:-2}; K=${K:-4}; N_CODE=${N_CODE:-8}; N_MT=${N_MT:-10}; DRAFT=${DRAFT:-}
 TM_ARGS=${TM_ARGS:-}; LLAMA=${LLAMA:-1}
-build_llamacpp
+[ "$LLAMA" = 0 ] || build_llamacpp
 out=$RESULTS/spec_$NAME$SUFFIX.jsonl; : > "$out"
 code=$RESULTS/spec_prompts_code.jsonl; mt=$RESULTS/spec_prompts_mtbench_$NAME.jsonl
 [ -f "$code" ] || "$PY" "$HERE/spec_prompts.py" --set code --n "$N_CODE" --out "$code"
