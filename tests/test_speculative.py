@@ -366,3 +366,19 @@ def test_server_with_prompt_lookup_reports_drafts_in_timings_and_metrics():
         else:
             assert timings["draft_tokens"] == 0
     assert answers[0] == answers[1] and answers[0][0] == answers[0][1]
+
+
+def test_logprobs_of_tokens_accepted_from_a_sampled_draft(tiny_llama):
+    """Draft-model sampling takes the general rule, whose emitted tokens need not be the sampler's
+    own draws: their logprobs are looked up for the tokens actually emitted."""
+    llm = LLM(tiny_llama, dtype="float32", skip_tokenizer_init=True, speculative_config=draft_of(tiny_llama))
+    outs = llm.generate(repetitive_prompts(4, seed=4), SamplingParams(temperature=0.8, max_tokens=20, logprobs=2,
+                                                                      seed=1), use_tqdm=False)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    for o in outs:
+        c = o.outputs[0]
+        assert o.error is None and len(c.logprobs) == len(c.token_ids) == 20
+        for tok, pos in zip(c.token_ids, c.logprobs):
+            top = sorted((lp for t, lp in pos.items() if lp.rank <= 2), key=lambda lp: lp.rank)
+            assert pos[tok].rank >= 1 and [lp.rank for lp in top][:2] == [1, 2]
+            assert pos[tok].logprob <= top[0].logprob + 1e-6

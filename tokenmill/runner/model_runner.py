@@ -20,7 +20,7 @@ from tokenmill.models import decode_stack
 from tokenmill.models.llama import CausalLM
 from tokenmill.runner import kv_cache
 from tokenmill.sampling import rejection
-from tokenmill.sampling.sampler import Sampler, SamplingRow, noise_seed
+from tokenmill.sampling.sampler import Sampler, SamplingRow, noise_seed, token_logprobs
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.request import DraftRequest
 from tokenmill.utils import gather_in_huge_pages
@@ -284,9 +284,7 @@ class ModelRunner:
 
 def _logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
     """Logprob, rank and top-k of `tokens[i]` under row i of the raw logits."""
-    raw = torch.log_softmax(logits, dim=-1)
-    chosen = raw[torch.arange(len(tokens)), torch.tensor(tokens)]
-    ranks = ((raw > chosen[:, None]).sum(dim=-1) + 1).tolist()
-    top_lps, top_ids = raw.topk(k, dim=-1) if k else (None, None)
+    chosen, ranks, top_lps, top_ids = token_logprobs(torch.log_softmax(logits, dim=-1),
+                                                     torch.tensor(tokens, device=logits.device), k)
     return [(c, r, list(zip(top_ids[i].tolist(), top_lps[i].tolist())) if k else [])
-            for i, (c, r) in enumerate(zip(chosen.tolist(), ranks))]
+            for i, (c, r) in enumerate(zip(chosen.tolist(), ranks.tolist()))]

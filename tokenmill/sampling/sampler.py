@@ -71,11 +71,7 @@ class Sampler:
 
         out = SamplerOutput(token_ids=tokens)
         if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-            out.logprobs = chosen
-            out.ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
-            if max_k > 0:
-                out.top_logprobs, out.top_ids = raw_logprobs.topk(max_k, dim=-1)
+            out.logprobs, out.ranks, out.top_logprobs, out.top_ids = token_logprobs(raw_logprobs, tokens, max_k)
         return out
 
     def distribution(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -128,6 +124,15 @@ class Sampler:
             if s is not None:
                 u[i] = torch.rand(1, device=device, generator=self._generator(device, s))[0]
         return u
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int):
+    """Row i's logprob of tokens[i], its rank (1 = most likely) and, for k > 0, the row's top-k
+    (logprobs, ids); (None, None) for k = 0."""
+    chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+    ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
+    top_lps, top_ids = raw_logprobs.topk(k, dim=-1) if k > 0 else (None, None)
+    return chosen, ranks, top_lps, top_ids
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
