@@ -88,10 +88,12 @@ class RunnerOutput:
 @dataclass
 class StepTiming:
     """What the step's work took, for the draft policy's cost estimates: the target's forward
-    pass over `decode_rows` rows (0 when the step also held prompt chunks), and the proposer's
-    `propose_passes` passes over `propose_rows` requests."""
-    forward_s: float
+    pass and sampling over `decode_rows` rows (0 when the step also held prompt chunks), and the
+    proposer's `propose_passes` passes over `propose_rows` rows in all. `drafts`: of the decode
+    rows, how many verified drafts."""
+    step_s: float
     decode_rows: int
+    drafts: int = 0
     propose_s: float = 0.0
     propose_passes: int = 0
     propose_rows: int = 0

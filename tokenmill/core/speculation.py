@@ -1,40 +1,96 @@
 """How many draft tokens each request proposes for its next step. No torch here.
 
-A decode step's time grows with the rows it scores: t(R) = t0 * (1 + ROW_COST * (R - 1)) is a
-fair fit on the CPU kernels (benchmarks/verify_rows.py; RESULTS.md has the figures), where one
-row costs t0 because every weight is read once per step whatever the row count, and each further
-row adds the arithmetic on it. A request verifying k drafts adds k rows and is expected to gain
-E(k) - 1 tokens, where E(k) = (1 - a^(k+1)) / (1 - a) when each draft is accepted with
-probability a (given the ones before it were: the first rejection ends the run). At a batch of B
-running requests a token costs t(B) / B, so the policy picks the k in [0, num_speculative_tokens]
-that maximises
+A decode step's time grows with the rows it scores: t(R) = t0 * (1 + row_cost * (R - 1)), where
+one row costs t0 because every weight is read once per step whatever the row count, and each
+further row adds the arithmetic on it. Both numbers are the model's and the host's (the kernels,
+the ISA, the vocabulary the head multiplies out), so the policy fits them by least squares to the
+decode-only steps the engine runs, forgetting old steps at `FIT_DECAY` per step; until the steps
+seen vary enough in their row count it assumes `ROW_COST` (benchmarks/verify_rows.py measured it;
+RESULTS.md has the figures).
 
-    (E(k) - 1) * t(B) / B  -  k * ROW_COST * t0,
+A request verifying k drafts adds k rows and is expected to gain E(k) - 1 tokens, where
+E(k) = (1 - a^(k+1)) / (1 - a) when each draft is accepted with probability a (given the ones
+before it were: the first rejection ends the run). At a batch of B running requests a token costs
+t(B) / B, so the policy picks the k in [0, num_speculative_tokens] that maximises
 
-the time saved minus the time spent. A draft model also spends its own steps: k drafts cost k
-of them, each `draft_cost` of a target step at the same batch, so with a draft model the saving
-is (E(k) - 1 - k * draft_cost) * t(B) / B. The draft cost starts as the ratio of the weight bytes
-the two read per step and is then measured, as is every proposer's: the runner times the target's
-decode steps and the proposer's passes (`observe_timing`). At batch 1 drafts are cheap and long ones pay; as the batch
-grows a token's share of the step shrinks while a draft row costs the same, so k falls, and with
-low acceptance it reaches 0. Each request keeps a decaying estimate of its own a. A request
-whose drafts stopped paying proposes one draft every `PROBE_EVERY` steps, so a change in the text
-(a quoted passage starts) brings speculation back. `disable_by_batch_size` (vLLM's switch) turns
-drafts off outright above a batch size.
+    (E(k) - 1 - k * draft_cost) * t(B) / B  -  k * row_cost * t0,
+
+the time saved minus the time spent. `draft_cost` is what proposing one draft costs in one-row
+target steps: 0 for prompt lookup up to its Python time, a draft model's own forward pass for a
+draft model. It starts as the ratio of the weight bytes the two read per step and is then the
+median of the proposer's measured passes (each through the same row-cost model).
+
+At batch 1 drafts are cheap and long ones pay; as the batch grows a token's share of the step
+shrinks while a draft row costs the same, so k falls, and with low acceptance it reaches 0. Each
+request keeps a decaying estimate of its own a. A request whose drafts stopped paying proposes one
+draft every `PROBE_EVERY` steps, so a change in the text (a quoted passage starts) brings
+speculation back — unless no acceptance could make drafting pay (a draft model as slow as the
+target), when it probes only every `PROBE_DEAR` steps, to notice if that changes.
+`disable_by_batch_size` (vLLM's switch) turns drafts off outright above a batch size.
 """
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import StepTiming
 
-ROW_COST = 0.17     # an extra row of a decode step, in one-row steps (benchmarks/verify_rows.py)
+ROW_COST = 0.17     # prior for an extra row of a decode step, in one-row steps (benchmarks/verify_rows.py)
+FIT_DECAY = 0.98    # weight of the past in the step-cost fit, per decode step observed
+MIN_SPREAD = 0.25   # variance of (rows - 1) the fit needs before it trusts its own slope
+ROW_COST_RANGE = (0.01, 2.0)
+MAX_PASS_ROWS = 32  # a proposer pass over more rows ran as a prompt chunk: not a decode-row pass
 DECAY = 0.8         # weight of the past in the acceptance estimate, per verified step
 PRIOR = (1.5, 2.0)  # (accepted, trials) a new request starts from: a = 0.75
 PROBE_EVERY = 8
+PROBE_DEAR = 64
+MIN_SAMPLES = 3     # measurements a measured cost needs before it replaces the model's
 
 
-def _ema(old: float | None, new: float, weight: float = 0.9) -> float:
-    return new if old is None else weight * old + (1.0 - weight) * new
+class StepCostFit:
+    """t(R) = t0 + slope * (R - 1) by decayed weighted least squares over observed steps."""
+
+    def __init__(self, decay: float = FIT_DECAY) -> None:
+        self.decay = decay
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        d, x = self.decay, float(rows - 1)
+        self.w, self.sx, self.sy = d * self.w + 1.0, d * self.sx + x, d * self.sy + seconds
+        self.sxx, self.sxy = d * self.sxx + x * x, d * self.sxy + x * seconds
+
+    def row_cost(self) -> float | None:
+        """slope / t0, or None while the rows seen do not vary enough to tell."""
+        if self.w < 4.0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        var = self.sxx / self.w - mx * mx
+        if var < MIN_SPREAD:
+            return None
+        slope = (self.sxy / self.w - mx * my) / var
+        t0 = my - slope * mx
+        if t0 <= 0.0:
+            return ROW_COST_RANGE[1]
+        return min(max(slope / t0, ROW_COST_RANGE[0]), ROW_COST_RANGE[1])
+
+    def t0(self, row_cost: float) -> float | None:
+        """The one-row step under the given row cost (the decayed mean of t(R) / (1 + c (R - 1)))."""
+        if self.w == 0.0:
+            return None
+        mx, my = self.sx / self.w, self.sy / self.w
+        return my / (1.0 + row_cost * mx)
+
+
+class _Mean:
+    """A decayed mean of a measured time, and how many samples it has seen."""
+
+    def __init__(self, weight: float = 0.9) -> None:
+        self.weight, self.value, self.n = weight, 0.0, 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.n == 0 else self.weight * self.value + (1.0 - self.weight) * x
+        self.n += 1
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -49,10 +105,33 @@ class DraftPolicy:
         self.k_max = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.adaptive = adaptive
-        self.row_cost = row_cost
-        self.draft_cost = draft_cost  # a proposer pass, in target steps: a prior until measured
-        self._t0: float | None = None   # measured one-row target step (s)
-        self._d0: float | None = None   # measured one-row proposer pass (s)
+        self.row_cost = row_cost      # a prior until the step fit can tell
+        self.draft_cost = draft_cost  # a proposer pass, in one-row target steps: a prior until measured
+        self.fit = StepCostFit()
+        self._passes: deque[float] = deque(maxlen=15)  # recent proposer passes, in one-row passes (s)
+        self._plain: dict[int, _Mean] = {}     # batch size -> a step without drafts (s)
+        self._per_draft: dict[int, _Mean] = {}  # batch size -> what one draft added to its step (s)
+        self._last_propose_s = 0.0
+
+    def _step(self, batch: int) -> float:
+        """A decode step of `batch` requests without drafts: measured, else the fit's, in s (in
+        units of a one-row step while nothing is measured)."""
+        plain = self._plain.get(batch)
+        if plain is not None and plain.n >= MIN_SAMPLES:
+            return plain.value
+        return (self.fit.t0(self.row_cost) or 1.0) * (1.0 + self.row_cost * (batch - 1))
+
+    def _draft_price(self, batch: int) -> float:
+        """What one more draft costs at this batch size: measured all-in (the proposer's work plus
+        the row it adds to the step), else the model's prior."""
+        measured = self._per_draft.get(batch)
+        if measured is not None and measured.n >= MIN_SAMPLES:
+            return measured.value
+        t0 = self.fit.t0(self.row_cost) or 1.0
+        return self.row_cost * t0 + self.draft_cost * self._step(batch) / max(batch, 1)
+
+    def _saving(self, a: float, k: int, batch: int) -> float:
+        return (expected_tokens(a, k) - 1.0) * self._step(batch) / max(batch, 1) - k * self._draft_price(batch)
 
     def num_propose(self, req: Request, num_running: int) -> int:
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
@@ -61,28 +140,39 @@ class DraftPolicy:
             return self.k_max
         accepted, trials = req.spec_estimate or PRIOR
         a = accepted / trials
-        token_cost = (1.0 + self.row_cost * (num_running - 1)) / max(num_running, 1)  # t(B) / B, in t0
-        saved = lambda k: (expected_tokens(a, k) - 1.0 - k * self.draft_cost) * token_cost - k * self.row_cost
-        best = max(range(self.k_max + 1), key=saved)
+        best = max(range(self.k_max + 1), key=lambda k: self._saving(a, k, num_running))
         if best == 0:
             req.spec_idle_steps += 1
-            if req.spec_idle_steps >= PROBE_EVERY:
+            could_pay = any(self._saving(1.0, k, num_running) > 0.0 for k in range(1, self.k_max + 1))
+            if req.spec_idle_steps >= (PROBE_EVERY if could_pay else PROBE_DEAR):
                 req.spec_idle_steps = 0
                 return 1
         return best
 
     def observe_timing(self, timing: StepTiming) -> None:
-        """Measure what the model says: a one-row target step t0 from the steps made only of
-        decode rows, and a one-row proposer pass from its passes, both through the row-cost fit;
-        their ratio replaces the prior draft cost (a draft model whose kernels are not faster in
-        proportion to its bytes, or proposing's own Python time, shows up here)."""
+        """Learn the costs from the steps the engine runs. Decode-only steps feed the target's
+        t0 / row-cost fit; those without drafts measure a plain step at their batch size; those
+        with drafts measure what a draft adds, all in: the step's excess over a plain step of the
+        same batch plus the proposer's time that produced the drafts (the previous step's), per
+        draft. That is the price `num_propose` charges once measured; until then a draft costs a
+        row plus a proposer pass priced from its measured passes (a draft model whose kernels are
+        not faster in proportion to its bytes, or proposing's own Python time, shows up there)."""
         if timing.decode_rows:
-            self._t0 = _ema(self._t0, timing.forward_s / (1.0 + self.row_cost * (timing.decode_rows - 1)))
-        if timing.propose_passes and timing.propose_rows:
-            per_pass = timing.propose_s / timing.propose_passes
-            self._d0 = _ema(self._d0, per_pass / (1.0 + self.row_cost * (timing.propose_rows - 1)))
-        if self._t0 and self._d0 is not None:
-            self.draft_cost = self._d0 / self._t0
+            self.fit.add(timing.decode_rows, timing.step_s)
+            self.row_cost = self.fit.row_cost() or self.row_cost
+            batch = timing.decode_rows - timing.drafts
+            if timing.drafts == 0:
+                self._plain.setdefault(batch, _Mean()).add(timing.step_s)
+            else:
+                extra = timing.step_s + self._last_propose_s - self._step(batch)
+                self._per_draft.setdefault(batch, _Mean()).add(max(extra, 0.0) / timing.drafts)
+        self._last_propose_s = timing.propose_s
+        if timing.propose_passes and timing.propose_rows <= MAX_PASS_ROWS * timing.propose_passes:
+            extra_rows = max(timing.propose_rows - timing.propose_passes, 0)
+            self._passes.append(timing.propose_s / (timing.propose_passes + self.row_cost * extra_rows))
+        t0 = self.fit.t0(self.row_cost)
+        if t0 and len(self._passes) >= MIN_SAMPLES:
+            self.draft_cost = statistics.median(self._passes) / t0
 
     def observe(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """One verification: drafts are tried in order until the first rejection."""

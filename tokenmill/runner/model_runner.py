@@ -98,9 +98,18 @@ class ModelRunner:
         out = RunnerOutput()
         t0 = time.perf_counter()
         logits, sample_ids = self.forward(sched)
-        out.timing = StepTiming(time.perf_counter() - t0, self._decode_rows)
+        out.timing = StepTiming(time.perf_counter() - t0, self._decode_rows, sum(s.num_drafts for s in sched.scheduled))
         if logits is None:
             return out
+        entries = self._sample(sched, logits, sample_ids, out)
+        out.timing.step_s = time.perf_counter() - t0
+        if self.proposer is not None:
+            self._propose_next(entries, out)
+        return out
+
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor, sample_ids: list[str],
+                out: RunnerOutput) -> list[ScheduledRequest]:
+        """Sample every scheduled request's rows into `out`; the entries that were sampled."""
         entries = [s for s in sched.scheduled if s.sample]  # one row per sampled position, in this order
         # faults that belong to one request fail that request only (the engine keeps the others):
         # a row with NaN or infinity anywhere (one pass: its sum is then not finite) ...
@@ -111,7 +120,7 @@ class ModelRunner:
             keep = [i for i, r in enumerate(sample_ids) if r not in bad]
             logits, entries = logits[keep], [e for e in entries if e.req_id not in bad]
             if not entries:
-                return out
+                return entries
         rows = [row for e in entries for row in self._rows(e)]
         try:
             self._take(self.sampler(logits, rows), entries, out, logits, rows)
@@ -127,19 +136,21 @@ class ModelRunner:
                     log.exception("sampling request %s failed", e.req_id)
                     out.failed[e.req_id] = SAMPLING_FAILED
                 offset += n
-        if self.proposer is not None:
-            wanted = []
-            for e in entries:
-                if e.num_propose > 0 and e.req_id in out.sampled:
-                    st = self.states[e.req_id]
-                    wanted.append(DraftRequest(e.req_id, st.token_ids, st.prompt_len, st.params, e.num_propose))
-            if wanted:
-                t0 = time.perf_counter()
-                out.draft_token_ids = self._propose(wanted)
-                out.timing.propose_s = time.perf_counter() - t0
-                out.timing.propose_passes = getattr(self.proposer, "last_passes", 1)
-                out.timing.propose_rows = len(wanted)
-        return out
+        return entries
+
+    def _propose_next(self, entries: list[ScheduledRequest], out: RunnerOutput) -> None:
+        wanted = []
+        for e in entries:
+            if e.num_propose > 0 and e.req_id in out.sampled:
+                st = self.states[e.req_id]
+                wanted.append(DraftRequest(e.req_id, st.token_ids, st.prompt_len, st.params, e.num_propose))
+        if wanted:
+            t0 = time.perf_counter()
+            out.draft_token_ids = self._propose(wanted)
+            out.timing.propose_s = time.perf_counter() - t0
+            # a proposer without passes of its own (prompt lookup) counts as one pass of one row each
+            out.timing.propose_passes = getattr(self.proposer, "last_passes", 1)
+            out.timing.propose_rows = getattr(self.proposer, "last_rows", len(wanted))
 
     def _propose(self, wanted: list[DraftRequest]) -> dict[str, list[int]]:
         """Drafts are an optimisation: a proposer that fails costs its drafts this step (and its

@@ -64,7 +64,8 @@ class DraftModelProposer:
         self.fed_drafts: dict[str, list[int]] = {}   # drafts whose KV follows the request's verified prefix
         self.probs: dict[str, torch.Tensor] = {}     # (k, V) q of the last drafts of sampling requests
         self.sampler = self.runner.sampler
-        self.last_passes = 0  # forward passes of the last propose call (the draft policy times them)
+        self.last_passes = 0  # forward passes of the last propose call, and their rows in all
+        self.last_rows = 0    # (the draft policy prices a pass by them)
 
     # ---------------------------------------------------------------- lifecycle
     def drop(self, req_id: str) -> None:
@@ -94,9 +95,10 @@ class DraftModelProposer:
                     active[w.req_id] = w
         drafts: dict[str, list[int]] = {r: [] for r in active}
         probs: dict[str, list[torch.Tensor]] = {r: [] for r in active}
-        self.last_passes = 0
+        self.last_passes = self.last_rows = 0
         while sched.scheduled:
             self.last_passes += 1
+            self.last_rows += sum(len(e.token_ids) for e in sched.scheduled)
             logits, ids = self.runner.forward(sched)
             sched = SchedulerOutput()
             if logits is None:  # every request was still catching up on its prompt
