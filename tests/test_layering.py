@@ -14,6 +14,8 @@ RULES = {
     # kernels and checkpoint formats know nothing of models or of the tools that write them
     "quant": ("tokenmill.models", "tokenmill.compress", "tokenmill.engine", "tokenmill.server"),
     # proposers serve the runner: they know nothing of the engine or the server
+    # constraints compile from plain params to matchers: no torch, no model, no engine
+    "structured": ("torch", "tokenmill.runner", "tokenmill.models", "tokenmill.engine", "tokenmill.server"),
     "spec": ("tokenmill.server", "tokenmill.engine"),
     # the native kernels are a leaf: arithmetic and layouts, nothing of tokenmill above them
     "kernels": ("tokenmill.",),

@@ -6,6 +6,7 @@ request ever reaches the engine.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -19,6 +20,64 @@ SEED_RANGE = (-2**63, 2**63 - 1)  # what a torch.Generator takes, for the parent
 MAX_STOP_STRINGS = 64
 MAX_STOP_LEN = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024   # entries; OpenAI's range of a bias is [-100, 100]
+MAX_CHOICES = 4096
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the text a request may generate (vLLM's `StructuredOutputsParams`): exactly
+    one of a JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a
+    regular expression (`regex`), one string out of a list (`choice`) or a grammar (`grammar`: Lark
+    syntax, or llama.cpp's GBNF — a grammar defining `root ::=` is read as GBNF).
+    `disable_any_whitespace`: JSON without whitespace between tokens (the compact form; small models
+    otherwise sometimes pad with newlines until max_tokens)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None  # JSON: the regex whitespace between tokens must match
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {kinds or 'none'}.")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    self.json = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}.") from None
+            if not isinstance(self.json, (dict, bool)):
+                raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
+                                 f"{type(self.json).__name__}.")
+            if len(json.dumps(self.json)) > MAX_GRAMMAR_CHARS:
+                raise ValueError(f"structured_outputs.json may be at most {MAX_GRAMMAR_CHARS} characters of JSON.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value or len(value) > MAX_GRAMMAR_CHARS):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string of at most "
+                                 f"{MAX_GRAMMAR_CHARS} characters.")
+        if self.choice is not None:
+            if (not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings.")
+        if self.json_object not in (None, True, False) or not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.json_object and disable_any_whitespace must be booleans.")
+        if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
+                                                    or len(self.whitespace_pattern) > 1024):
+            raise ValueError("structured_outputs.whitespace_pattern must be a regex of at most 1024 characters.")
+
+    @property
+    def key(self) -> str:
+        """What identifies the compiled grammar (the cache key)."""
+        return json.dumps([self.json, self.regex, self.choice, self.grammar, bool(self.json_object),
+                           self.disable_any_whitespace, self.whitespace_pattern], sort_keys=True)
 
 
 @dataclass
@@ -40,6 +99,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, [-100, 100] (OpenAI)
+    structured_outputs: StructuredOutputsParams | None = None
     stop_strings: list[str] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -52,6 +113,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
         if self.temperature < MIN_TEMPERATURE:
             self.temperature = 0.0
@@ -108,6 +172,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r:.200}.")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or a dict of its fields")
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +184,10 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
 
+    @property
+    def constrained(self) -> bool:
+        return self.structured_outputs is not None
+
     def child(self, index: int) -> "SamplingParams":
         """Params for the index-th of n parallel samples: n=1, and a distinct seed if seeded."""
         seed = None if self.seed is None else self.seed + index
@@ -125,3 +195,25 @@ class SamplingParams:
 
     def _init_kwargs(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "stop_strings"}
+
+
+def _logit_bias(bias) -> dict[int, float] | None:
+    """OpenAI's map of token id (a JSON key, so a string) to a bias in [-100, 100]."""
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {type(bias).__name__}.")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}.")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r:.50}.") from None
+        if token < 0 or isinstance(key, bool) or (isinstance(key, float) and not key.is_integer()):
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r:.50}.")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r:.50} for token {token}.")
+        out[token] = float(value)
+    return out

@@ -24,8 +24,10 @@ At batch 1 drafts are cheap and long ones pay; as the batch grows a token's shar
 shrinks while a draft row costs the same, so k falls, and with low acceptance it reaches 0. Each
 request keeps a decaying estimate of its own a. A request whose drafts stopped paying proposes one
 draft every `PROBE_EVERY` steps, so a change in the text (a quoted passage starts) brings
-speculation back — unless no acceptance could make drafting pay (a draft model as slow as the
-target), when it probes only every `PROBE_DEAR` steps, to notice if that changes.
+speculation back — unless drafts measurably cost more than any acceptance could save at this
+batch size (a draft model no faster than the target): the costs are the model's and the host's,
+not the text's, and a probe is not free (a draft model first catches up on what it has not seen),
+so then nothing is proposed at that batch size at all.
 `disable_by_batch_size` (vLLM's switch) turns drafts off outright above a batch size.
 """
 from __future__ import annotations
@@ -44,8 +46,7 @@ MAX_PASS_ROWS = 32  # a proposer pass over more rows ran as a prompt chunk: not 
 DECAY = 0.8         # weight of the past in the acceptance estimate, per verified step
 PRIOR = (1.5, 2.0)  # (accepted, trials) a new request starts from: a = 0.75
 PROBE_EVERY = 8
-PROBE_DEAR = 64
-MIN_SAMPLES = 3     # measurements a measured cost needs before it replaces the model's
+MIN_SAMPLES = 5     # measurements (their median) a measured cost needs before it replaces the model's
 
 
 class StepCostFit:
@@ -82,15 +83,8 @@ class StepCostFit:
         return my / (1.0 + row_cost * mx)
 
 
-class _Mean:
-    """A decayed mean of a measured time, and how many samples it has seen."""
-
-    def __init__(self, weight: float = 0.9) -> None:
-        self.weight, self.value, self.n = weight, 0.0, 0
-
-    def add(self, x: float) -> None:
-        self.value = x if self.n == 0 else self.weight * self.value + (1.0 - self.weight) * x
-        self.n += 1
+def _median(samples: deque[float] | None) -> float | None:
+    return statistics.median(samples) if samples is not None and len(samples) >= MIN_SAMPLES else None
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -109,24 +103,24 @@ class DraftPolicy:
         self.draft_cost = draft_cost  # a proposer pass, in one-row target steps: a prior until measured
         self.fit = StepCostFit()
         self._passes: deque[float] = deque(maxlen=15)  # recent proposer passes, in one-row passes (s)
-        self._plain: dict[int, _Mean] = {}     # batch size -> a step without drafts (s)
-        self._per_draft: dict[int, _Mean] = {}  # batch size -> what one draft added to its step (s)
-        self._last_propose_s = 0.0
+        self._plain: dict[int, deque[float]] = {}      # batch size -> recent steps without drafts (s)
+        self._per_draft: dict[int, deque[float]] = {}  # batch size -> what one draft added to its step (s)
+        self._last_propose: tuple[float, bool] = (0.0, False)  # the previous step's proposing: (s, steady)
 
     def _step(self, batch: int) -> float:
         """A decode step of `batch` requests without drafts: measured, else the fit's, in s (in
         units of a one-row step while nothing is measured)."""
-        plain = self._plain.get(batch)
-        if plain is not None and plain.n >= MIN_SAMPLES:
-            return plain.value
+        plain = _median(self._plain.get(batch))
+        if plain is not None:
+            return plain
         return (self.fit.t0(self.row_cost) or 1.0) * (1.0 + self.row_cost * (batch - 1))
 
     def _draft_price(self, batch: int) -> float:
         """What one more draft costs at this batch size: measured all-in (the proposer's work plus
         the row it adds to the step), else the model's prior."""
-        measured = self._per_draft.get(batch)
-        if measured is not None and measured.n >= MIN_SAMPLES:
-            return measured.value
+        measured = _median(self._per_draft.get(batch))
+        if measured is not None:
+            return measured
         t0 = self.fit.t0(self.row_cost) or 1.0
         return self.row_cost * t0 + self.draft_cost * self._step(batch) / max(batch, 1)
 
@@ -141,13 +135,17 @@ class DraftPolicy:
         accepted, trials = req.spec_estimate or PRIOR
         a = accepted / trials
         best = max(range(self.k_max + 1), key=lambda k: self._saving(a, k, num_running))
-        if best == 0:
+        if best == 0 and not self._dear(num_running):
             req.spec_idle_steps += 1
-            could_pay = any(self._saving(1.0, k, num_running) > 0.0 for k in range(1, self.k_max + 1))
-            if req.spec_idle_steps >= (PROBE_EVERY if could_pay else PROBE_DEAR):
+            if req.spec_idle_steps >= PROBE_EVERY:
                 req.spec_idle_steps = 0
                 return 1
         return best
+
+    def _dear(self, batch: int) -> bool:
+        """Drafts measurably cost more than they can save at this batch size, at any acceptance."""
+        return (_median(self._per_draft.get(batch)) is not None
+                and all(self._saving(1.0, k, batch) <= 0.0 for k in range(1, self.k_max + 1)))
 
     def observe_timing(self, timing: StepTiming) -> None:
         """Learn the costs from the steps the engine runs. Decode-only steps feed the target's
@@ -162,12 +160,15 @@ class DraftPolicy:
             self.row_cost = self.fit.row_cost() or self.row_cost
             batch = timing.decode_rows - timing.drafts
             if timing.drafts == 0:
-                self._plain.setdefault(batch, _Mean()).add(timing.step_s)
-            else:
-                extra = timing.step_s + self._last_propose_s - self._step(batch)
-                self._per_draft.setdefault(batch, _Mean()).add(max(extra, 0.0) / timing.drafts)
-        self._last_propose_s = timing.propose_s
-        if timing.propose_passes and timing.propose_rows <= MAX_PASS_ROWS * timing.propose_passes:
+                self._plain.setdefault(batch, deque(maxlen=15)).append(timing.step_s)
+            elif self._last_propose[1]:
+                extra = timing.step_s + self._last_propose[0] - self._step(batch)
+                self._per_draft.setdefault(batch, deque(maxlen=15)).append(max(extra, 0.0) / timing.drafts)
+        # a proposer pass over a prompt (a draft model catching up on a new request) is a one-off
+        # like the target's prefill, not what each draft costs: such steps are not priced
+        steady = timing.propose_rows <= MAX_PASS_ROWS * timing.propose_passes
+        self._last_propose = (timing.propose_s, steady)
+        if timing.propose_passes and steady:
             extra_rows = max(timing.propose_rows - timing.propose_passes, 0)
             self._passes.append(timing.propose_s / (timing.propose_passes + self.row_cost * extra_rows))
         t0 = self.fit.t0(self.row_cost)

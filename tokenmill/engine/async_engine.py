@@ -119,6 +119,8 @@ class AsyncEngine:
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError("the engine has stopped after an internal error")
+        if params.structured_outputs is not None:  # compiled here, off the engine thread (ValueError: 400)
+            await asyncio.to_thread(self.engine.compile_constraint, params)
         with self._lock:
             waiting = self.num_waiting
             if self.max_queue_len is not None and waiting >= self.max_queue_len:

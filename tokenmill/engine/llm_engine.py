@@ -26,6 +26,7 @@ from tokenmill.runner import kv_cache
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec import proposers
+from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.utils import default_model_path, resolve_device
 
 log = logging.getLogger("tokenmill")
@@ -76,7 +77,11 @@ class LLMEngine:
         self.block_size = cc.block_size
         proposer = None if spec is None else proposers.build(spec, draft, num_blocks, cc.block_size, self.device,
                                                              self.kv_dtype, cc.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype, proposer)
+        # structured outputs need the tokenizer's vocabulary (a tokenizer-less engine refuses them)
+        self.grammars = None if self.tokenizer is None else GrammarCompiler(
+            self.tokenizer.tok.to_str(), self.arch.vocab_size, sorted(self.tokenizer.eos_token_ids))
+        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype, proposer,
+                                  grammars=self.grammars)
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
@@ -108,6 +113,10 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab}, got "
                              f"{[t for t in params.stop_token_ids if t >= vocab][:5]}.")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size {vocab}, got "
+                             f"{[t for t in params.logit_bias if t >= vocab][:5]}.")
+        self.compile_constraint(params)
         params_list = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
         parent = _Parent(req_id, text, ids, [], [], [])
         for i, p in enumerate(params_list):
@@ -119,6 +128,20 @@ class LLMEngine:
             self._child_parent[child_id] = (parent, i)
             self.scheduler.add_request(req)
         self.parents[req_id] = parent
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile (and cache) a request's structured-output constraint, or raise ValueError
+        saying what is wrong with it. Thread-safe: the server calls it off the engine thread, so
+        a slow schema never stalls a step; the engine's own call is then a cache hit."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise ValueError("structured outputs need the model's tokenizer; this engine was started without one.")
+        if params.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured outputs: the constraint decides "
+                             "where the output ends.")
+        self.grammars.compile(spec)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -27,6 +27,7 @@ from tokenmill.utils import gather_in_huge_pages
 
 log = logging.getLogger("tokenmill")
 NON_FINITE = "the model produced non-finite logits (NaN or infinity) for this request"
+DEAD_END = "the structured-output constraint allows no next token here (a dead end in the grammar)"
 SAMPLING_FAILED = "sampling this request's next token failed (an internal error; see the server log)"
 
 
@@ -37,11 +38,12 @@ class _ReqState:
     prompt_len: int
     eos_ids: list[int]
     block_table: list[int] = field(default_factory=list)
+    matcher: object | None = None  # llguidance matcher of a constrained request, at its last token
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0) -> None:
+                 dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0, grammars=None) -> None:
         """`short_chunk_rows`: chunks of up to this many tokens after a cached context also run as
         decode rows (through the native decode stack, not the layer-by-layer prefill path). Only
         for a model whose numbers need not equal its chunked prefill's: a draft model, whose
@@ -59,6 +61,7 @@ class ModelRunner:
         model.decode_stack = decode_stack.build(model)
         self.sampler = Sampler()
         self.proposer = proposer  # tokenmill.spec: fills drafts for the next step, or None
+        self.grammars = grammars  # tokenmill.structured GrammarCompiler, or None: constraints not enforced
         self._decode_rows = 0     # rows of the last forward pass when all were decode rows, else 0
         self.states: dict[str, _ReqState] = {}
 
@@ -69,7 +72,12 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.drop(req_id)
         for new in sched.new_requests:
-            self.states[new.req_id] = _ReqState(new.params, list(new.token_ids), new.prompt_len, new.eos_token_ids)
+            st = self.states[new.req_id] = _ReqState(new.params, list(new.token_ids), new.prompt_len,
+                                                     new.eos_token_ids)
+            if new.params.structured_outputs is not None and self.grammars is not None:
+                # compiled (and cached) when the request was added; a recomputed request replays its output
+                st.matcher = self.grammars.matcher(new.params.structured_outputs)
+                st.matcher.consume_tokens(st.token_ids[st.prompt_len:])
         for s in sched.scheduled:
             table = self.states[s.req_id].block_table
             del table[s.num_kept_blocks:]
@@ -111,17 +119,23 @@ class ModelRunner:
                 out: RunnerOutput) -> list[ScheduledRequest]:
         """Sample every scheduled request's rows into `out`; the entries that were sampled."""
         entries = [s for s in sched.scheduled if s.sample]  # one row per sampled position, in this order
+        masks = self._grammar_masks(entries, out.failed)
+        rows_of = {e.req_id: self._rows(e, masks.get(e.req_id)) for e in entries if e.req_id not in out.failed}
+        for req_id, req_rows in rows_of.items():  # the grammar allows only tokens banned now (EOS before min_tokens)
+            if any(r.allowed is not None and not _any_left(r.allowed, r.banned) for r in req_rows):
+                out.failed[req_id] = DEAD_END
         # faults that belong to one request fail that request only (the engine keeps the others):
         # a row with NaN or infinity anywhere (one pass: its sum is then not finite) ...
         bad = {sample_ids[i] for i in (~torch.isfinite(logits.sum(dim=-1))).nonzero()[:, 0].tolist()}
+        for req_id in bad:
+            out.failed[req_id] = NON_FINITE
+        bad |= out.failed.keys()
         if bad:
-            for req_id in bad:
-                out.failed[req_id] = NON_FINITE
             keep = [i for i, r in enumerate(sample_ids) if r not in bad]
             logits, entries = logits[keep], [e for e in entries if e.req_id not in bad]
             if not entries:
                 return entries
-        rows = [row for e in entries for row in self._rows(e)]
+        rows = [row for e in entries for row in rows_of[e.req_id]]
         try:
             self._take(self.sampler(logits, rows), entries, out, logits, rows)
         except Exception:  # noqa: BLE001 - ... and a sampler error: find the request(s) whose rows raise
@@ -136,7 +150,51 @@ class ModelRunner:
                     log.exception("sampling request %s failed", e.req_id)
                     out.failed[e.req_id] = SAMPLING_FAILED
                 offset += n
+        self._advance_grammars(entries, out)
         return entries
+
+    def _grammar_masks(self, entries: list[ScheduledRequest], failed: dict[str, str]) -> dict[str, torch.Tensor]:
+        """(1 + k, words) packed masks of the tokens each constrained request may take at each
+        scored position: the matcher walks the drafts (and is rolled back), and the rows after a
+        draft the grammar refuses repeat that position's mask (the draft is rejected there, so
+        they are never used). A position that allows nothing fails its request."""
+        masks = {}
+        for e in entries:
+            m = self.states[e.req_id].matcher
+            if m is None:
+                continue
+            n = 1 + e.num_drafts
+            drafts = e.token_ids[len(e.token_ids) - e.num_drafts:]
+            mask = torch.zeros((n, self.grammars.mask_words), dtype=torch.int32)
+            walked = 0
+            for i in range(n):
+                m.unsafe_compute_mask_ptr(mask[i].data_ptr(), mask.shape[1] * 4)
+                if i == n - 1 or m.try_consume_tokens([drafts[i]]) != 1:
+                    mask[i + 1:] = mask[i]
+                    break
+                walked += 1
+            if walked:
+                m.rollback(walked)
+            if m.is_error() or not bool(mask[0].any()):
+                failed[e.req_id] = DEAD_END + (f": {_first_line(m.get_error())}" if m.is_error() else "")
+                continue
+            masks[e.req_id] = mask
+        return masks
+
+    def _advance_grammars(self, entries: list[ScheduledRequest], out: RunnerOutput) -> None:
+        """Each constrained request's matcher takes its emitted tokens. A matcher that has stopped
+        (the constraint is complete) only allowed an end-of-sequence token, which ends the request
+        and is not fed to it."""
+        for e in entries:
+            m = self.states[e.req_id].matcher
+            if m is None or e.req_id not in out.sampled:
+                continue
+            for tok in out.sampled[e.req_id]:
+                if m.is_stopped():
+                    break
+                if not m.consume_token(tok):
+                    out.failed[e.req_id] = f"{DEAD_END}: {_first_line(m.get_error())}"
+                    break
 
     def _propose_next(self, entries: list[ScheduledRequest], out: RunnerOutput) -> None:
         wanted = []
@@ -206,9 +264,10 @@ class ModelRunner:
             return int(self.sampler.race(weights[None], [rows[i].seed])[0])
         return rejection.accept_with_probs(drafts, p, q, u, draw)
 
-    def _rows(self, e: ScheduledRequest) -> list[SamplingRow]:
+    def _rows(self, e: ScheduledRequest, masks: torch.Tensor | None = None) -> list[SamplingRow]:
         """One row per scored position: the plain next-token row, or, with drafts, the rows after
-        each draft prefix (their penalties, min_tokens and seed as if those drafts were accepted)."""
+        each draft prefix (their penalties, min_tokens, seed and grammar mask as if those drafts
+        were accepted)."""
         st = self.states[e.req_id]
         p = st.params
         drafts = e.token_ids[len(e.token_ids) - e.num_drafts:]
@@ -218,7 +277,7 @@ class ModelRunner:
             n_out = len(history) - st.prompt_len
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else st.eos_ids) if n_out < p.min_tokens else []
             seed = None if p.seed is None else noise_seed(p.seed, n_out)
-            rows.append(SamplingRow(p, history, st.prompt_len, seed, banned))
+            rows.append(SamplingRow(p, history, st.prompt_len, seed, banned, None if masks is None else masks[i]))
         return rows
 
     def _logprobs(self, result, entries: list[ScheduledRequest]) -> list[tuple[float, int, list[tuple[int, float]]]]:
@@ -299,3 +358,18 @@ def _logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[tuple[
                                                      torch.tensor(tokens, device=logits.device), k)
     return [(c, r, list(zip(top_ids[i].tolist(), top_lps[i].tolist())) if k else [])
             for i, (c, r) in enumerate(zip(chosen.tolist(), ranks.tolist()))]
+
+
+def _any_left(allowed: torch.Tensor, banned: list[int]) -> bool:
+    """Whether a packed grammar mask allows any token that is not banned."""
+    if banned:
+        allowed = allowed.clone()
+        for t in banned:
+            if t // 32 < allowed.shape[0]:
+                allowed[t // 32] &= ~(1 << (t % 32))
+    return bool(allowed.any())
+
+
+def _first_line(text: str) -> str:
+    """llguidance's messages carry a parser dump after the first line: the user needs the line."""
+    return text.strip().split("\n", 1)[0]

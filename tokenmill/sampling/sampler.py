@@ -36,6 +36,7 @@ class SamplingRow:
     prompt_len: int
     seed: int | None            # noise_seed of this row's draw, None: the global generator
     banned: list[int]           # token ids that may not be sampled now (EOS before min_tokens)
+    allowed: torch.Tensor | None = None  # structured outputs: int32 bitmask of the tokens it may take
 
 
 @dataclass
@@ -79,12 +80,21 @@ class Sampler:
         return self.probs(self.adjust(logits, rows), rows)
 
     def adjust(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Banned tokens out, penalties in: the logits greedy rows take the argmax of."""
-        if any(r.banned for r in rows):
+        """Logit bias in, tokens outside a row's grammar mask and banned tokens out, penalties in:
+        the logits greedy rows take the argmax of."""
+        if any(r.banned or r.allowed is not None or r.params.logit_bias for r in rows):
             logits = logits.clone()
             for i, r in enumerate(rows):
+                if r.params.logit_bias:
+                    ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
+                    logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), device=logits.device)
                 if r.banned:
                     logits[i, r.banned] = float("-inf")
+            constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+            if constrained:
+                allowed = _unpack_bits(torch.stack([rows[i].allowed for i in constrained]), logits.shape[1])
+                idx = torch.tensor(constrained, device=logits.device)
+                logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
         if any(r.params.needs_penalties for r in rows):
             logits = _apply_penalties(logits, rows)
         return logits
@@ -133,6 +143,14 @@ def token_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, k: int):
     ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
     top_lps, top_ids = raw_logprobs.topk(k, dim=-1) if k > 0 else (None, None)
     return chosen, ranks, top_lps, top_ids
+
+
+_SHIFTS = torch.arange(32, dtype=torch.int32)
+
+
+def _unpack_bits(words: torch.Tensor, width: int) -> torch.Tensor:
+    """(N, W) int32 bitmasks (bit j of word w = token 32 w + j, llguidance's layout) -> (N, width) bool."""
+    return ((words[:, :, None] >> _SHIFTS) & 1).view(words.shape[0], -1)[:, :width].bool()
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

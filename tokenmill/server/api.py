@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.engine.async_engine import (EngineDeadError, QueueFullError, QueueTimeoutError, RequestFailedError,
                                            RequestTimeoutError)
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as P
 from tokenmill.server.metrics import Metrics
 
@@ -59,7 +59,8 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt", "messages", "max_completion_tokens"}
+_PARAM_NAMES = set(SamplingParams.__dataclass_fields__) | {"prompt", "messages", "max_completion_tokens",
+                                                            "response_format", "structured_outputs"}
 
 
 def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -350,10 +351,61 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampl
         value = getattr(req, name)
         if value is not None:
             kw[name] = value
+    kw["structured_outputs"] = _structured_outputs(req)
     try:
+        kw["logit_bias"] = req.logit_bias
         return SamplingParams(**kw)
     except ValueError as e:
         raise _bad_request(e) from None
+
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_BACKENDS = {None, "auto", "guidance", "llguidance"}
+
+
+def _structured_outputs(req) -> StructuredOutputsParams | None:
+    """The request's constraint from whichever field carries it (one of them at most)."""
+    fmt, so = req.response_format, req.structured_outputs
+    guided = {name[len("guided_"):]: getattr(req, name) for name in _GUIDED if getattr(req, name) is not None}
+    given = [name for name, present in (("response_format", fmt is not None and fmt.get("type") != "text"),
+                                        ("structured_outputs", so is not None), ("guided_*", bool(guided)))
+             if present]
+    if len(given) > 1:
+        raise APIError(400, f"give one constraint, not {' and '.join(given)}", param=given[1])
+    if req.guided_decoding_backend not in _BACKENDS:
+        raise APIError(400, f"guided_decoding_backend {req.guided_decoding_backend!r:.50} is not available: "
+                            "tokenmill's structured outputs run on llguidance ('guidance')",
+                       param="guided_decoding_backend")
+    try:
+        if fmt is not None:
+            return _response_format(fmt)
+        if so is not None:
+            return StructuredOutputsParams(**so)
+        if guided:
+            return StructuredOutputsParams(**guided, whitespace_pattern=req.guided_whitespace_pattern)
+        if req.guided_whitespace_pattern is not None:
+            raise ValueError("guided_whitespace_pattern needs guided_json")
+    except TypeError as e:  # an unknown field of structured_outputs
+        raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
+    except ValueError as e:
+        raise APIError(400, str(e), param=given[0] if given else None) from None
+    return None
+
+
+def _response_format(fmt: dict) -> StructuredOutputsParams | None:
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("response_format.json_schema must be an object with the schema under 'schema'")
+        schema = spec.get("schema", spec.get("json_schema"))
+        # strict or not, the schema is enforced (OpenAI's strict mode is the only one tokenmill has)
+        return StructuredOutputsParams(json_object=True) if schema is None else StructuredOutputsParams(json=schema)
+    raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r:.50}")
 
 
 def _bad_request(e: ValueError) -> APIError:

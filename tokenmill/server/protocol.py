@@ -40,6 +40,16 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     priority: int = 0  # lower goes first under --scheduling-policy priority; ignored under fcfs
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache namespace (vLLM)
+    logit_bias: dict[str, float] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Json] | None = None
+    structured_outputs: dict[str, Json] | None = None
+    guided_json: str | dict[str, Json] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
