@@ -222,6 +222,19 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400, "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
      "max_tokens"),
+    # structured outputs and logit_bias: refused before anything is queued, naming the field
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}}}, 400, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
+     400, "response_format"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "(("}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, 400,
+     "guided_*"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "guided_decoding_backend": "xgrammar"}, 400,
+     "guided_decoding_backend"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "bogus": 1}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 250}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
 ]
 
 
@@ -340,3 +353,49 @@ def test_a_prompt_list_streams_its_prompts_together(server):
                      if line.startswith("data: {")]
     assert sorted(order) == [0] * 8 + [1] * 8 + [2] * 8
     assert order.index(2) < len(order) - 1 - order[::-1].index(0)  # index 2 starts before index 0 ends
+
+
+# ---------------------------------------------------------------- structured outputs, logit_bias
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "city": {"enum": ["Paris", "Lyon", "Nice"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_stream_and_non_stream(client):
+    import jsonschema
+
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Describe a French person as JSON."}],
+              temperature=0, max_tokens=80,
+              response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                      "strict": True}})
+    full = client.chat.completions.create(**kw)
+    text = full.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert full.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert streamed == text
+    obj = client.chat.completions.create(**{**kw, "response_format": {"type": "json_object"}, "temperature": 1.0,
+                                            "seed": 1, "max_tokens": 200})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_guided_fields_and_structured_outputs_on_completions(client):
+    for extra, check in (({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)),
+                         ({"structured_outputs": {"grammar": 'root ::= ("red" | "blue") " car"'}},
+                          lambda t: t in ("red car", "blue car"))):
+        r = client.completions.create(model=MODEL, prompt="Answer:", temperature=1.0, seed=3, max_tokens=20,
+                                      n=3, extra_body=extra)
+        assert all(check(c.text) for c in r.choices), (extra, [c.text for c in r.choices])
+
+
+def test_logit_bias_bans_a_token(server, client):
+    prompt = "The capital of France is"
+    first = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1, logprobs=1)
+    ids = httpx.post(server + "/tokenize", headers=headers(),
+                     json={"prompt": first.choices[0].text, "add_special_tokens": False}).json()["tokens"]
+    banned = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1,
+                                       logit_bias={str(ids[0]): -100})
+    assert banned.choices[0].text != first.choices[0].text

@@ -16,7 +16,7 @@ from tokenmill.core.block_manager import BlockManager
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import RunnerOutput
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
-from tokenmill.core.speculation import PROBE_EVERY, DraftPolicy, StepCostFit, expected_tokens
+from tokenmill.core.speculation import PROBE_EVERY, REFRESH_EVERY, DraftPolicy, StepCostFit, expected_tokens
 from tokenmill.spec.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -131,6 +131,13 @@ def test_policy_charges_what_drafting_measurably_added():
                                              propose_rows=5))
             policy.observe_timing(StepTiming(step_s=0.014, decode_rows=5, drafts=4))
         assert [policy.num_propose(req, 1) for _ in range(4 * PROBE_EVERY)] == [expect] * (4 * PROBE_EVERY)
+    # drafting all along: every REFRESH_EVERY drafted steps one step runs plain, to re-measure the baseline
+    policy.observe_timing(StepTiming(step_s=0.010, decode_rows=1))
+    ks = []
+    for _ in range(2 * REFRESH_EVERY + 2):
+        ks.append(policy.num_propose(req, 1))
+        policy.observe_timing(StepTiming(step_s=0.011 if ks[-1] else 0.010, decode_rows=1 + ks[-1], drafts=ks[-1]))
+    assert [i for i, k in enumerate(ks) if k == 0] == [REFRESH_EVERY, 2 * REFRESH_EVERY + 1]
 
 
 # ---------------------------------------------------------------- scheduler bookkeeping

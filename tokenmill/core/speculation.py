@@ -46,6 +46,7 @@ MAX_PASS_ROWS = 32  # a proposer pass over more rows ran as a prompt chunk: not 
 DECAY = 0.8         # weight of the past in the acceptance estimate, per verified step
 PRIOR = (1.5, 2.0)  # (accepted, trials) a new request starts from: a = 0.75
 PROBE_EVERY = 8
+REFRESH_EVERY = 48  # drafted steps at a batch size after which one runs plain, to re-measure the baseline
 MIN_SAMPLES = 5     # measurements (their median) a measured cost needs before it replaces the model's
 
 
@@ -104,6 +105,9 @@ class DraftPolicy:
         self.fit = StepCostFit()
         self._passes: deque[float] = deque(maxlen=15)  # recent proposer passes, in one-row passes (s)
         self._plain: dict[int, deque[float]] = {}      # batch size -> recent steps without drafts (s)
+        self._since_plain: dict[int, int] = {}         # batch size -> drafted steps since its last plain one
+        self._refresh_step: dict[int, int] = {}        # batch size -> the step whose scheduling asks for a plain one
+        self._steps = 0
         self._per_draft: dict[int, deque[float]] = {}  # batch size -> what one draft added to its step (s)
         self._last_propose: tuple[float, bool] = (0.0, False)  # the previous step's proposing: (s, steady)
 
@@ -132,6 +136,11 @@ class DraftPolicy:
             return 0
         if not self.adaptive:
             return self.k_max
+        if self._since_plain.get(num_running, 0) >= REFRESH_EVERY:  # the baseline is stale:
+            self._since_plain[num_running] = 0                      # the next step runs plain
+            self._refresh_step[num_running] = self._steps
+        if self._refresh_step.get(num_running) == self._steps:      # (every request of this step)
+            return 0
         accepted, trials = req.spec_estimate or PRIOR
         a = accepted / trials
         best = max(range(self.k_max + 1), key=lambda k: self._saving(a, k, num_running))
@@ -154,14 +163,21 @@ class DraftPolicy:
         same batch plus the proposer's time that produced the drafts (the previous step's), per
         draft. That is the price `num_propose` charges once measured; until then a draft costs a
         row plus a proposer pass priced from its measured passes (a draft model whose kernels are
-        not faster in proportion to its bytes, or proposing's own Python time, shows up there)."""
+        not faster in proportion to its bytes, or proposing's own Python time, shows up there).
+        The plain baseline is kept fresh: after `REFRESH_EVERY` drafted steps at a batch size one
+        step there runs without drafts (a stale or warm-up-slow baseline would otherwise make
+        drafts look cheaper or dearer than they are, for good)."""
+        self._steps += 1
         if timing.decode_rows:
             self.fit.add(timing.decode_rows, timing.step_s)
             self.row_cost = self.fit.row_cost() or self.row_cost
             batch = timing.decode_rows - timing.drafts
             if timing.drafts == 0:
-                self._plain.setdefault(batch, deque(maxlen=15)).append(timing.step_s)
-            elif self._last_propose[1]:
+                self._plain.setdefault(batch, deque(maxlen=MIN_SAMPLES)).append(timing.step_s)
+                self._since_plain[batch] = 0
+            else:
+                self._since_plain[batch] = self._since_plain.get(batch, 0) + 1
+            if timing.drafts and self._last_propose[1]:
                 extra = timing.step_s + self._last_propose[0] - self._step(batch)
                 self._per_draft.setdefault(batch, deque(maxlen=15)).append(max(extra, 0.0) / timing.drafts)
         # a proposer pass over a prompt (a draft model catching up on a new request) is a one-off

@@ -9,15 +9,28 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _refuse(what: str):
+    """A validator for a field tokenmill knows but does not implement: any value other than the
+    ones that ask for nothing is a 400 naming the field (never a silent drop)."""
+    def check(value):
+        if value not in (None, False, "", [], {}):
+            raise ValueError(f"{what} is not supported by tokenmill")
+        return value
+    return check
+
+
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # a field this schema does not know is refused with a 400 naming it (OpenAI's own behaviour):
+    # tokenmill never drops a request field silently. The fields below that have no effect on the
+    # result are accepted on purpose (README: "Request fields").
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -37,7 +50,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # accepted, no effect on the output: bookkeeping fields of OpenAI's API
     user: str | None = None
+    metadata: dict[str, Json] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None      # prefix caching is automatic
+    safety_identifier: str | None = None
     priority: int = 0  # lower goes first under --scheduling-policy priority; ignored under fcfs
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache namespace (vLLM)
     logit_bias: dict[str, float] | None = None
@@ -50,6 +69,8 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    # known, not implemented: refused unless they ask for nothing
+    best_of: Annotated[int | None, AfterValidator(lambda v: _refuse("best_of > 1")(v if v not in (0, 1) else None))] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -60,6 +81,7 @@ class CompletionRequest(_SamplingFields):
     # the prompt is the client's own template: its special-token text acts as control tokens
     # unless this says to read it as text (Hugging Face's name)
     split_special_tokens: bool = False
+    suffix: Annotated[str | None, AfterValidator(_refuse("suffix (insertion)"))] = None
 
 
 # Bounds on how much structure one request may carry (its bytes are capped by the server).
@@ -110,6 +132,30 @@ class ChatCompletionRequest(_SamplingFields):
     # special-token text inside messages is read as text, so no message can forge a turn;
     # false lets it act as control tokens
     split_special_tokens: bool = True
+    # tool calls are not parsed yet: the model's own text comes back as content
+    tool_choice: str | dict[str, Json] | None = None
+    parallel_tool_calls: bool | None = None
+    audio: Annotated[dict[str, Json] | None, AfterValidator(_refuse("audio output"))] = None
+    modalities: list[str] | None = None
+    prediction: Annotated[dict[str, Json] | None, AfterValidator(_refuse("predicted outputs"))] = None
+    web_search_options: Annotated[dict[str, Json] | None, AfterValidator(_refuse("web search"))] = None
+    functions: Annotated[list[dict[str, Json]] | None, AfterValidator(_refuse("functions (use tools)"))] = None
+    function_call: Annotated[str | dict[str, Json] | None, AfterValidator(_refuse("function_call (use tools)"))] = None
+    reasoning_effort: Annotated[str | None, AfterValidator(_refuse("reasoning_effort"))] = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value):
+        if value not in (None, ["text"]):
+            raise ValueError("only the text modality is supported")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, value):
+        if value not in (None, "none", "auto"):
+            raise ValueError("tool_choice 'required' and named functions are not supported yet (only 'none' and 'auto')")
+        return value
 
 
 class TokenizeRequest(BaseModel):
