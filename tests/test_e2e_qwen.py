@@ -32,3 +32,28 @@ def test_qwen_answers_a_fact(qwen):
     out = qwen.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                     SamplingParams(temperature=0, max_tokens=10))[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
+
+
+def test_qwen_calls_a_tool_in_its_own_format_through_the_server(qwen):
+    """tool_choice auto: Qwen writes `<tool_call>` blocks (its template's hermes format), which the
+    server returns as OpenAI tool_calls, streamed or not."""
+    import json
+
+    import openai
+    from test_server import WEATHER_TOOL, _reassemble, start_server
+
+    proc, base = start_server("--model", PATH, "--max-model-len", "2048")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+        kw = dict(model="smollm2", messages=[{"role": "user", "content": "What's the weather in Paris, in celsius?"}],
+                  tools=[WEATHER_TOOL], temperature=0, max_tokens=80)
+        c = client.chat.completions.create(**kw).choices[0]
+        assert c.finish_reason == "tool_calls", c.message.content
+        call = c.message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] == "Paris"
+        streamed, finish = _reassemble(client.chat.completions.create(**kw, stream=True))
+        assert finish == "tool_calls" and [(s["name"], json.loads(s["arguments"])) for s in streamed] == \
+            [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

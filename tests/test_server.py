@@ -399,3 +399,102 @@ def test_logit_bias_bans_a_token(server, client):
     banned = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1,
                                        logit_bias={str(ids[0]): -100})
     assert banned.choices[0].text != first.choices[0].text
+
+
+# ---------------------------------------------------------------- tool calls
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def _reassemble(chunks) -> tuple[list[dict], str | None]:
+    calls: dict[int, dict] = {}
+    finish = None
+    for c in chunks:
+        if not c.choices:
+            continue
+        for d in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or d.id
+            if d.function is not None:
+                call["name"] += d.function.name or ""
+                call["arguments"] += d.function.arguments or ""
+        finish = c.choices[0].finish_reason or finish
+    return [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_calls_parse_validate_and_stream_the_same(client, choice):
+    import jsonschema
+
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=choice, temperature=0,
+              max_tokens=120)
+    full = client.chat.completions.create(**kw)
+    c = full.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls
+    for call in c.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        schema = {"get_weather": WEATHER_TOOL, "get_time": TIME_TOOL}[call.function.name]["function"]["parameters"]
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    if isinstance(choice, dict):
+        assert [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    streamed, finish = _reassemble(client.chat.completions.create(**kw, stream=True))
+    assert finish == "tool_calls"
+    assert [(s["name"], json.loads(s["arguments"])) for s in streamed] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+
+
+def test_a_tool_result_fed_back_renders_and_answers(client):
+    call = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER_TOOL], tool_choice="required",
+                                          temperature=0, max_tokens=80).choices[0].message.tool_calls[0]
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp": 21, "sky": "clear"})}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER_TOOL], temperature=0,
+                                            max_tokens=40).choices[0]
+    assert answer.message.content and answer.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"best_of": 3}, "best_of"), ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"frobnicate": True}, "frobnicate"),
+])
+def test_refused_tool_and_unknown_fields(server, client, body, param):
+    r = httpx.post(server + "/v1/chat/completions", headers=headers(),
+                   json={"model": MODEL, "messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    ok = httpx.post(server + "/v1/chat/completions", headers=headers(),
+                    json={"model": MODEL, "messages": ASK, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
+                          "store": False, "parallel_tool_calls": True})
+    assert ok.status_code == 200, ok.text
+
+
+def test_reasoning_parser_splits_thinking_from_the_answer():
+    """--reasoning-parser deepseek_r1: the text before </think> is reasoning_content (streamed as
+    delta.reasoning_content), the rest content. The default model does not think, so a regex makes
+    it write the shape a thinking model writes."""
+    proc, base = start_server("--reasoning-parser", "deepseek_r1")
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        kw = dict(model=MODEL, messages=[{"role": "user", "content": "What is 2 + 2?"}], temperature=0,
+                  max_tokens=60, extra_body={"guided_regex": r"Two and two[a-z ,]{0,20}\.</think>\n\nIt is [0-9]\."})
+        m = client.chat.completions.create(**kw).choices[0].message
+        assert m.model_extra["reasoning_content"].startswith("Two and two") and re.fullmatch(r"It is [0-9]\.", m.content)
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                content += chunk.choices[0].delta.content or ""
+        assert (reasoning, content) == (m.model_extra["reasoning_content"], m.content)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

@@ -147,7 +147,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                          max_request_bytes=args.max_request_bytes,
                                          client_timeout=args.client_timeout, metrics_public=args.metrics_public,
                                          allowed_origins=args.allowed_origins or [],
-                                         cache_salt_from_api_key=args.cache_salt_from_api_key), metrics)
+                                         cache_salt_from_api_key=args.cache_salt_from_api_key,
+                                         tool_call_parser=args.tool_call_parser,
+                                         reasoning_parser=args.reasoning_parser), metrics)
     from tokenmill import kernels
 
     cpu = ""
@@ -370,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
     s.add_argument("--metrics-public", action="store_true",
                    help="serve /metrics without the API key (default: behind it when keys are set)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (default: the format its chat template renders)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="return a thinking model's <think>...</think> as reasoning_content (default: off)")
     s.add_argument("--cache-salt-from-api-key", action="store_true",
                    help="give each API key its own prefix cache (no tenant can probe another's prompts through "
                         "cache hits); needs --api-key")

@@ -13,11 +13,12 @@ E(k) = (1 - a^(k+1)) / (1 - a) when each draft is accepted with probability a (g
 before it were: the first rejection ends the run). At a batch of B running requests a token costs
 t(B) / B, so the policy picks the k in [0, num_speculative_tokens] that maximises
 
-    (E(k) - 1 - k * draft_cost) * t(B) / B  -  k * row_cost * t0,
+    (E(k) - 1 - k * draft_cost - k * MARGIN) * t(B) / B  -  k * row_cost * t0,
 
-the time saved minus the time spent. `draft_cost` is what proposing one draft costs in one-row
-target steps: 0 for prompt lookup up to its Python time, a draft model's own forward pass for a
-draft model. It starts as the ratio of the weight bytes the two read per step and is then the
+the time saved minus the time spent, each draft asked to save a tenth of a token beyond
+break-even (the measurements are noisy, and a draft near break-even gains nothing worth its risk).
+`draft_cost` is what proposing one draft costs in one-row target steps: 0 for prompt lookup up to
+its Python time, a draft model's own forward pass for a draft model. It starts as the ratio of the weight bytes the two read per step and is then the
 median of the proposer's measured passes (each through the same row-cost model).
 
 At batch 1 drafts are cheap and long ones pay; as the batch grows a token's share of the step
@@ -46,6 +47,7 @@ MAX_PASS_ROWS = 32  # a proposer pass over more rows ran as a prompt chunk: not 
 DECAY = 0.8         # weight of the past in the acceptance estimate, per verified step
 PRIOR = (1.5, 2.0)  # (accepted, trials) a new request starts from: a = 0.75
 PROBE_EVERY = 8
+MARGIN = 0.1        # of a token's cost, each draft must save beyond break-even (noise, unmodelled costs)
 REFRESH_EVERY = 48  # drafted steps at a batch size after which one runs plain, to re-measure the baseline
 MIN_SAMPLES = 5     # measurements (their median) a measured cost needs before it replaces the model's
 
@@ -129,7 +131,8 @@ class DraftPolicy:
         return self.row_cost * t0 + self.draft_cost * self._step(batch) / max(batch, 1)
 
     def _saving(self, a: float, k: int, batch: int) -> float:
-        return (expected_tokens(a, k) - 1.0) * self._step(batch) / max(batch, 1) - k * self._draft_price(batch)
+        token = self._step(batch) / max(batch, 1)
+        return (expected_tokens(a, k) - 1.0 - MARGIN * k) * token - k * self._draft_price(batch)
 
     def num_propose(self, req: Request, num_running: int) -> int:
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:

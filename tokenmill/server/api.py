@@ -27,6 +27,8 @@ from tokenmill.engine.async_engine import (EngineDeadError, QueueFullError, Queu
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.server import protocol as P
+from tokenmill.server import reasoning as R
+from tokenmill.server import tools as T
 from tokenmill.server.metrics import Metrics
 
 log = logging.getLogger("tokenmill.server")
@@ -46,6 +48,8 @@ class ServerConfig:
     metrics_public: bool = False  # /metrics without the API key (for a scraper inside a trusted network)
     allowed_origins: list[str] = field(default_factory=list)  # CORS: none unless configured
     cache_salt_from_api_key: bool = False  # each API key its own prefix-cache namespace
+    tool_call_parser: str | None = None     # None: picked from the chat template (server/tools.py)
+    reasoning_parser: str | None = None     # server/reasoning.py; None: thinking stays in content
 
 
 class APIError(Exception):
@@ -206,6 +210,9 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         tok = tokenizer()
         if not req.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
+        calls = _ToolPlan.of(req, config.tool_call_parser, tok.chat_template)
+        # a constrained output (forced tool call) is the constraint's from its first token: no thinking
+        thinking = None if calls.forced else config.reasoning_parser
         ids = await off_loop(_chat_ids, tok, _conversation(req.messages), req.add_generation_prompt,
                              req.chat_template_kwargs, req.tools, req.split_special_tokens, client.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -214,18 +221,25 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         top = req.top_logprobs if req.top_logprobs is not None else 0
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        params = _sampling_params(req, max_tokens, top if req.logprobs else None)
+        params = _sampling_params(req, max_tokens, top if req.logprobs else None, calls.constraint)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = client.generate(rid, ids, params, req.priority, _cache_salt(raw, req.cache_salt))
         first = (await _until_disconnected(raw, _start_all([stream]), [stream]))[0]
         if req.stream:
-            return _sse(_chat_stream(rid, req, stream, first, model_name, client))
+            return _sse(_chat_stream(rid, req, stream, first, model_name, client, calls, thinking))
         out = (await _until_disconnected(raw, _collect_all([stream], [first]), [stream]))[0]
         usage = _Usage()
         usage.add(out)
-        choices = [P.ChatChoice(index=o.index, message=P.ChatResponseMessage(content=o.text),
-                                logprobs=_chat_logprobs(o, client, top) if req.logprobs else None,
-                                finish_reason=o.finish_reason, stop_reason=o.stop_reason) for o in out.outputs]
+        choices = []
+        for o in out.outputs:
+            reasoning, answer = R.split(thinking, o.text) if thinking else (None, o.text)
+            content, tool_calls = calls.parse(answer or "") if answer is not None else (None, [])
+            finish = "tool_calls" if tool_calls and o.finish_reason == "stop" else o.finish_reason
+            message = P.ChatResponseMessage(content=content, reasoning_content=reasoning,
+                                            tool_calls=[c.to_openai() for c in tool_calls] or None)
+            choices.append(P.ChatChoice(index=o.index, message=message,
+                                        logprobs=_chat_logprobs(o, client, top) if req.logprobs else None,
+                                        finish_reason=finish, stop_reason=o.stop_reason))
         return P.ChatCompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(),
                                         timings=_timings(out))
 
@@ -341,8 +355,92 @@ def _replay(body: bytes, receive):
     return replayed
 
 
+# ---------------------------------------------------------------- tool calls
+@dataclass
+class _ToolPlan:
+    """How one chat request's tool calls are produced and read back: `forced` (required / a
+    named function: a JSON-schema constraint, its output read as calls) or `parser` (auto: the
+    model's own format), or neither."""
+    choice: object = None
+    parser: str | None = None
+    constraint: StructuredOutputsParams | None = None
+
+    @classmethod
+    def of(cls, req, parser_name: str | None, template: str | None) -> "_ToolPlan":
+        try:
+            named = T.validate_tool_choice(req.tool_choice, req.tools)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice" if "tool_choice" in str(e) else "tools") from None
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if choice == "required" or named is not None:
+            schema = T.forced_schema(choice, req.tools, req.parallel_tool_calls is not False)
+            return cls(choice, None, StructuredOutputsParams(json=schema))
+        if choice == "auto" and req.tools:
+            return cls(choice, T.pick_parser(parser_name, template))
+        return cls(choice)
+
+    @property
+    def forced(self) -> bool:
+        return self.constraint is not None
+
+    def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
+        if self.forced:
+            return None, T.forced_calls(self.choice, text)
+        if self.parser is not None:
+            return T.parse(self.parser, text)
+        return text, []
+
+
+class _ToolStream:
+    """One streamed choice's deltas under a _ToolPlan: content as it comes, tool calls the way
+    OpenAI streams them (per call: id, type and name first with empty arguments, then arguments)."""
+
+    def __init__(self, plan: _ToolPlan) -> None:
+        self.plan = plan
+        self.parser = T.StreamingParser(plan.parser) if plan.parser is not None and not plan.forced else None
+        self.text = ""          # forced: the output so far
+        self.named_id: str | None = None
+        self.num_calls = 0
+
+    def delta(self, text: str, final: bool) -> dict:
+        calls: list[T.ToolCall] = []
+        content = ""
+        pieces: list[dict] = []
+        if self.plan.forced and isinstance(self.plan.choice, dict):  # a named function: arguments stream as written
+            if self.named_id is None and (text or final):
+                self.named_id = T.ToolCall(self.plan.choice["function"]["name"], "").id
+                pieces.append({"index": 0, "id": self.named_id, "type": "function",
+                               "function": {"name": self.plan.choice["function"]["name"], "arguments": ""}})
+                self.num_calls = 1
+            if text:
+                pieces.append({"index": 0, "function": {"arguments": text}})
+        elif self.plan.forced:  # required: a JSON list of calls, read when complete
+            self.text += text
+            if final:
+                calls = T.forced_calls(self.plan.choice, self.text)
+        elif self.parser is not None:
+            content, calls = self.parser.feed(text)
+            if final:
+                more_content, more_calls = self.parser.finish()
+                content, calls = content + more_content, calls + more_calls
+        else:
+            content = text
+        for c in calls:
+            pieces.append({"index": self.num_calls, "id": c.id, "type": "function",
+                           "function": {"name": c.name, "arguments": ""}})
+            pieces.append({"index": self.num_calls, "function": {"arguments": c.arguments}})
+            self.num_calls += 1
+        out: dict = {}
+        if content:
+            out["content"] = content
+        if pieces:
+            out["tool_calls"] = pieces
+        return out
+
+
 # ---------------------------------------------------------------- request -> engine
-def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                     tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, seed=req.seed, stop=req.stop,
               stop_token_ids=req.stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
@@ -352,6 +450,11 @@ def _sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampl
         if value is not None:
             kw[name] = value
     kw["structured_outputs"] = _structured_outputs(req)
+    if tool_constraint is not None:
+        if kw["structured_outputs"] is not None:
+            raise APIError(400, "tool_choice 'required' or a named function cannot be combined with another "
+                                "constraint (response_format, structured_outputs, guided_*)", param="tool_choice")
+        kw["structured_outputs"] = tool_constraint
     try:
         kw["logit_bias"] = req.logit_bias
         return SamplingParams(**kw)
@@ -469,8 +572,23 @@ def _conversation(messages: list[P.ChatMessage]) -> list[dict]:
             if any(not isinstance(t, str) for t in texts):
                 raise APIError(400, f"messages[{i}]: a text content part's text must be a string", param="messages")
             content = "".join(texts)
-        conv.append({**(m.model_extra or {}), "role": m.role, "content": content or ""})
+        msg = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_template_call(c) for c in msg["tool_calls"]]
+        conv.append(msg)
     return conv
+
+
+def _template_call(call):
+    """An assistant's earlier tool call as chat templates expect it: OpenAI sends the arguments as
+    JSON text, templates render them with `tojson` (a string would come out quoted twice)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            return {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+        except ValueError:
+            pass
+    return call
 
 
 async def _start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -685,7 +803,8 @@ async def _completion_stream(rid, req, prompts, streams, firsts, params, model_n
         await _close(streams)
 
 
-async def _chat_stream(rid, req, stream, first, model_name, client) -> AsyncIterator[str]:
+async def _chat_stream(rid, req, stream, first, model_name, client, plan: _ToolPlan,
+                       thinking: str | None) -> AsyncIterator[str]:
     created = int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
     try:
@@ -694,13 +813,25 @@ async def _chat_stream(rid, req, stream, first, model_name, client) -> AsyncIter
         yield _data({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None} for i in range(n)]})
         sent = [0] * n
+        tools = [_ToolStream(plan) for _ in range(n)]
+        thoughts = [R.StreamingReasoning(thinking) if thinking else None for _ in range(n)]
         while True:
             for o in out.outputs:
                 if not o.delta_text and o.finish_reason is None and len(o.token_ids) == sent[o.index]:
                     continue
-                choice = {"index": o.index, "delta": {"content": o.delta_text} if o.delta_text else {},
+                final = o.finish_reason is not None
+                text, reasoning = o.delta_text or "", ""
+                if thoughts[o.index] is not None:
+                    reasoning, text = thoughts[o.index].feed(text, final)
+                delta = tools[o.index].delta(text, final)
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                finish = o.finish_reason
+                if finish == "stop" and tools[o.index].num_calls:
+                    finish = "tool_calls"
+                choice = {"index": o.index, "delta": delta,
                           "logprobs": _chat_logprobs(o, client, req.top_logprobs or 0, sent[o.index]) if req.logprobs else None,
-                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                          "finish_reason": finish, "stop_reason": o.stop_reason}
                 sent[o.index] = len(o.token_ids)
                 chunk = {**base, "choices": [choice]}
                 if out.finished and o.finish_reason is not None:

@@ -132,7 +132,6 @@ class ChatCompletionRequest(_SamplingFields):
     # special-token text inside messages is read as text, so no message can forge a turn;
     # false lets it act as control tokens
     split_special_tokens: bool = True
-    # tool calls are not parsed yet: the model's own text comes back as content
     tool_choice: str | dict[str, Json] | None = None
     parallel_tool_calls: bool | None = None
     audio: Annotated[dict[str, Json] | None, AfterValidator(_refuse("audio output"))] = None
@@ -148,13 +147,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _text_only(cls, value):
         if value not in (None, ["text"]):
             raise ValueError("only the text modality is supported")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, value):
-        if value not in (None, "none", "auto"):
-            raise ValueError("tool_choice 'required' and named functions are not supported yet (only 'none' and 'auto')")
         return value
 
 
@@ -216,6 +208,8 @@ class CompletionResponse(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):

@@ -1,0 +1,79 @@
+"""Tool-call parsing and forcing (server/tools.py): each model format read back into OpenAI's
+calls, the streaming parser agreeing with the whole-text one however the text is cut, and the
+schemas `required` / a named function impose."""
+import json
+import random
+
+import jsonschema
+import pytest
+
+from tokenmill.server import tools as T
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
+
+CASES = [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET; UTC+1"}}\n</tool_call>',
+     "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET; UTC+1"})]),
+    ("hermes", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>', []),   # broken: shown as written
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+                    '{"name": "get_time", "parameters": {"tz": "a;b"}}',
+     None, [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "a;b"})]),
+    ("llama3_json", "The answer is {not a call}.", "The answer is {not a call}.", []),
+    ("mistral", 'Sure. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}]',
+     "Sure.", [("get_weather", {"city": "Rome", "unit": "c"})]),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", CASES)
+def test_parsers_and_their_streaming_twins_agree(parser, text, content, calls):
+    got_content, got = T.parse(parser, text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    rng = random.Random(0)
+    for _ in range(30):  # any cut of the text into deltas gives the same calls and content
+        s, pos, streamed, streamed_calls = T.StreamingParser(parser), 0, "", []
+        while pos < len(text):
+            step = rng.randint(1, 7)
+            c, k = s.feed(text[pos:pos + step])
+            streamed, streamed_calls, pos = streamed + c, streamed_calls + k, pos + step
+        c, k = s.finish()
+        streamed, streamed_calls = streamed + c, streamed_calls + k
+        assert [(c.name, json.loads(c.arguments)) for c in streamed_calls] == calls
+        assert (streamed.strip() or None) == (content.strip() if content else None)
+
+
+def test_parser_is_picked_from_the_template_or_named():
+    assert T.pick_parser(None, "... <tool_call>\n{{ tool }} ...") == "hermes"
+    assert T.pick_parser(None, "[TOOL_CALLS] ...") == "mistral"
+    assert T.pick_parser(None, "<|python_tag|>") == "llama3_json"
+    assert T.pick_parser(None, "{{ messages }}") is None
+    assert T.pick_parser("mistral", "<tool_call>") == "mistral"
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        T.pick_parser("xml", None)
+
+
+def test_forced_schemas_validate_what_they_should():
+    named = {"type": "function", "function": {"name": "get_time"}}
+    schema = T.forced_schema(named, [WEATHER, TIME], True)
+    jsonschema.validate({"tz": "UTC"}, schema)
+    assert [c.name for c in T.forced_calls(named, '{"tz": "UTC"}')] == ["get_time"]
+    schema = T.forced_schema("required", [WEATHER, TIME], True)
+    calls = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"tz": "x"}}]
+    jsonschema.validate(calls, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "get_weather", "parameters": {"tz": 1}}], schema)   # city is required
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(calls, T.forced_schema("required", [WEATHER, TIME], False))   # one call at most
+    assert [c.name for c in T.forced_calls("required", json.dumps(calls))] == ["get_weather", "get_time"]
+    for choice, tools, words in (("required", None, "needs tools"), ({"type": "function", "function": {"name": "x"}},
+                                                                      [WEATHER], "not among the tools"),
+                                 ("sometimes", [WEATHER], "tool_choice must be"),
+                                 ("auto", [{"type": "function"}], r"tools\[0\]")):
+        with pytest.raises(ValueError, match=words):
+            T.validate_tool_choice(choice, tools)

@@ -1,0 +1,271 @@
+"""Tool calls: what the model writes, turned into OpenAI's `tool_calls`, and the constraints that
+make `tool_choice: required` / a named function always produce a valid call. Pure Python.
+
+Models write calls in their family's format; a parser per format (vLLM's names):
+- `hermes` (Qwen2.5, Hermes, many fine-tunes): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`,
+  one block per call, text around them is content;
+- `llama3_json` (Llama 3.1+): the whole answer is `{"name": …, "parameters": {…}}` (optionally after
+  `<|python_tag|>`), several joined by `;`;
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": …, "arguments": {…}}`.
+The parser is `--tool-call-parser`, or picked from the chat template (the format it renders).
+
+`required` and a named function do not rely on the model's format: the output is held by a JSON
+schema (vLLM does the same) — a named function's arguments object, or for `required` a list of
+`{"name", "parameters"}` objects, one schema per tool — so the call always parses and its arguments
+validate against the tool's parameter schema.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+PARSERS = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def pick_parser(name: str | None, template: str | None) -> str | None:
+    """The parser to use: the one named, else the format the chat template renders, else None."""
+    if name is not None:
+        if name not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
+        return name
+    t = template or ""
+    if "<tool_call>" in t:
+        return "hermes"
+    if "[TOOL_CALLS]" in t:
+        return "mistral"
+    if "<|python_tag|>" in t or ("ipython" in t and '"parameters"' in t):
+        return "llama3_json"
+    return None
+
+
+def _call(obj, args_key: str) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
+    if isinstance(args, str):  # some models write the arguments as a JSON string already
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a complete output; an output that does not hold well-formed calls is
+    all content (a model that meant to call a tool but wrote broken JSON is shown as it wrote it)."""
+    if parser == "hermes":
+        blocks = _HERMES.findall(text)
+        calls = []
+        for block in blocks:
+            try:
+                call = _call(json.loads(block), "arguments")
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        if not calls:
+            return text, []
+        content = _HERMES.sub("", text).strip()
+        return content or None, calls
+    if parser == "mistral":
+        head, marker, tail = text.partition("[TOOL_CALLS]")
+        if not marker:
+            return text, []
+        try:
+            items = json.loads(tail.strip())
+        except ValueError:
+            return text, []
+        calls = [_call(o, "arguments") for o in (items if isinstance(items, list) else [items])]
+        if not calls or None in calls:
+            return text, []
+        return head.strip() or None, calls
+    if parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = []
+        for part in _split_json_objects(body):
+            try:
+                call = _call(json.loads(part), "parameters")
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return (None, calls) if calls else (text, [])
+    raise ValueError(f"unknown tool call parser {parser!r}")
+
+
+def _split_json_objects(body: str) -> list[str]:
+    """`{…}; {…}` -> the objects' texts (semicolons inside strings are left alone)."""
+    parts, depth, start, in_str, esc = [], 0, 0, False, False
+    for i, ch in enumerate(body):
+        if in_str:
+            esc = not esc and ch == "\\"
+            if ch == '"' and not esc:
+                in_str = False
+            continue
+        if ch == '"':
+            in_str = True
+        elif ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    parts.append(body[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+# ---------------------------------------------------------------- streaming
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+
+
+class StreamingParser:
+    """Feeds on text deltas; returns the content that can go out now and the calls that are
+    complete. Content is held back only while it may be the start of a call marker; from the
+    marker on, text is buffered, and each call goes out once it is complete (hermes: at its
+    closing tag; the others at the end of the output)."""
+
+    def __init__(self, parser: str) -> None:
+        self.parser = parser
+        self.buf = ""
+        self.in_calls = False
+        self.sent_any_call = False
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        self.buf += delta
+        if self.parser == "llama3_json":
+            stripped = self.buf.lstrip()
+            if not self.in_calls and stripped and not (stripped.startswith("{") or
+                                                       "<|python_tag|>".startswith(stripped[:14]) or
+                                                       stripped.startswith("<|python_tag|>")):
+                out, self.buf = self.buf, ""
+                self.parser = "none"  # plain text from the first character: no calls in this output
+                return out, []
+            if stripped and not self.in_calls and (stripped.startswith("{") or stripped.startswith("<|python_tag|>")):
+                self.in_calls = True
+            return "", []
+        if self.parser == "none":
+            out, self.buf = self.buf, ""
+            return out, []
+        marker = _MARKERS[self.parser]
+        content = ""
+        if not self.in_calls:
+            at = self.buf.find(marker)
+            if at < 0:
+                keep = _partial_suffix(self.buf, marker)
+                content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return content, []
+            content, self.buf = self.buf[:at], self.buf[at:]
+            self.in_calls = True
+        calls: list[ToolCall] = []
+        if self.parser == "hermes":
+            while True:
+                m = _HERMES.match(self.buf.lstrip())
+                if m is None:
+                    break
+                parsed = parse("hermes", m.group(0))[1]
+                if not parsed:
+                    break
+                calls += parsed
+                self.buf = self.buf.lstrip()[m.end():]
+        self.sent_any_call |= bool(calls)
+        return content, calls
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """What is left at the end of the output: the last calls, or (if it never formed calls)
+        the held-back text as content."""
+        rest, self.buf = self.buf, ""
+        if self.parser == "none" or not rest.strip():
+            return rest, []
+        content, calls = parse(self.parser, rest)
+        if not calls:
+            return rest, []
+        return content or "", calls
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could be the beginning of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+# ---------------------------------------------------------------- forced calls
+def _functions(tools: list[dict]) -> dict[str, dict]:
+    out = {}
+    for i, t in enumerate(tools or []):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': …, 'parameters': …}}}}")
+        params = fn.get("parameters", {"type": "object"})
+        if not isinstance(params, dict):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        out[fn["name"]] = params
+    return out
+
+
+def validate_tool_choice(tool_choice, tools: list[dict] | None) -> str | None:
+    """The named function of `tool_choice` (None for none/auto/required); ValueError for a choice
+    that cannot be honoured."""
+    fns = _functions(tools or [])
+    if tool_choice in (None, "none", "auto"):
+        return None
+    if tool_choice == "required":
+        if not fns:
+            raise ValueError("tool_choice 'required' needs tools")
+        return None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict):
+        name = tool_choice["function"].get("name")
+        if name not in fns:
+            raise ValueError(f"tool_choice names function {name!r:.60}, which is not among the tools")
+        return name
+    raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': …}}")
+
+
+def forced_schema(tool_choice, tools: list[dict], parallel: bool) -> dict:
+    """The JSON schema an output must follow under `required` or a named function."""
+    fns = _functions(tools)
+    name = validate_tool_choice(tool_choice, tools)
+    if name is not None:
+        return fns[name]
+    one = [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+            "required": ["name", "parameters"], "additionalProperties": False} for n, p in fns.items()]
+    schema = {"type": "array", "minItems": 1, "items": one[0] if len(one) == 1 else {"anyOf": one}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def forced_calls(tool_choice, text: str) -> list[ToolCall]:
+    """The calls of an output written under `forced_schema` (empty if it was cut short)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return []
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], json.dumps(value, ensure_ascii=False))]
+    return [ToolCall(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in value]
