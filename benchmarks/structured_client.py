@@ -41,7 +41,7 @@ async def one(client: AsyncOpenAI, model: str, i: int, schema: dict | None, max_
                                                         "json_schema": {"name": "person", "schema": schema}}}
     t0 = time.perf_counter()
     first = last = None
-    usage = None
+    usage = finish = None
     text = []
     stream = await client.chat.completions.create(model=model, messages=messages(i), max_tokens=max_tokens,
                                                   temperature=0.7, seed=i, stream=True,
@@ -52,17 +52,20 @@ async def one(client: AsyncOpenAI, model: str, i: int, schema: dict | None, max_
             first = first or now
             last = now
             text.append(chunk.choices[0].delta.content)
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
         if chunk.usage is not None:
             usage = chunk.usage
     valid = None
-    if schema is not None:
+    if schema is not None and finish == "stop":  # an output cut by max_tokens is not expected to parse
         try:
             json.loads("".join(text))
             valid = True
         except ValueError:
             valid = False
     return {"tokens": usage.completion_tokens, "ttft": (first or t0) - t0,
-            "decode_s": (last - first) if first else 0.0, "end": time.perf_counter(), "start": t0, "valid": valid}
+            "decode_s": (last - first) if first else 0.0, "end": time.perf_counter(), "start": t0, "valid": valid,
+            "finish": finish}
 
 
 async def load(client, model, n: int, conc: int, schema, max_tokens: int) -> dict:
@@ -78,7 +81,7 @@ async def load(client, model, n: int, conc: int, schema, max_tokens: int) -> dic
     dec = sum(max(r["tokens"] - 1, 0) for r in rs) / max(sum(r["decode_s"] for r in rs), 1e-9)
     return {"requests": n, "output_tokens": toks, "throughput_tok_s": toks / wall,
             "decode_tok_s_per_stream": dec, "ttft_median_s": statistics.median(r["ttft"] for r in rs),
-            "invalid_json": sum(r["valid"] is False for r in rs)}
+            "invalid_json": sum(r["valid"] is False for r in rs), "cut_by_max_tokens": sum(r["finish"] == "length" for r in rs)}
 
 
 async def compile_cost(client, model, n: int) -> dict:
@@ -114,7 +117,8 @@ async def main() -> None:
             r = await load(client, args.model_name, n, conc, schema, args.max_tokens)
             rows.append({"label": args.label, "mode": mode, "concurrency": conc, **r})
             print(f"{mode:12s} c={conc:<3d} {r['throughput_tok_s']:7.1f} tok/s  per stream "
-                  f"{r['decode_tok_s_per_stream']:6.1f}  invalid {r['invalid_json']}", flush=True)
+                  f"{r['decode_tok_s_per_stream']:6.1f}  invalid {r['invalid_json']}  cut {r['cut_by_max_tokens']}",
+                  flush=True)
     c = await compile_cost(client, args.model_name, 10)
     rows.append({"label": args.label, "mode": "compile", **c})
     print(f"new schema TTFT {c['ttft_new_schema_ms']:.1f} ms, cached {c['ttft_cached_schema_ms']:.1f} ms", flush=True)

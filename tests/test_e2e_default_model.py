@@ -104,3 +104,39 @@ def test_abort_frees_blocks_at_once(llm):
     final = engine.abort_request("to-abort")
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert engine.block_manager.num_free_blocks == free and not engine.has_unfinished_requests()
+
+
+def test_constrained_outputs_of_the_real_model_validate(llm):
+    """Dozens of schemas drawn as in tests/test_structured.py, on the default model at temperature
+    1, plus regexes and choices: every output parses and validates / matches."""
+    import json
+    import re
+
+    import jsonschema
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    from hypothesis_jsonschema import from_schema
+    from test_structured import META_SCHEMA, _fix_required
+
+    schemas = []
+
+    @settings(max_examples=32, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
+              deadline=None)
+    @given(from_schema(META_SCHEMA).map(_fix_required))
+    def draw(schema):
+        schemas.append(schema)
+    draw()
+    prompts = [llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Answer with a JSON value for this schema: " + json.dumps(s)}])
+        for s in schemas]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=300, structured_outputs={
+        "json": s, "whitespace_pattern": r"[ \n]{0,4}"}) for i, s in enumerate(schemas)]
+    for schema, out in zip(schemas, llm.generate(prompts, params, use_tqdm=False)):
+        assert out.outputs[0].finish_reason == "stop", (schema, out.outputs[0].text)
+        jsonschema.validate(json.loads(out.outputs[0].text), schema)
+    patterns = [r"[A-Z][a-z]{2,8} [A-Z][a-z]{2,8}", r"\d{4}-\d{2}-\d{2}", r"(yes|no|maybe)", r"#[0-9a-f]{6}"]
+    outs = llm.generate(["Write something: "] * 16, [SamplingParams(temperature=1.0, seed=i, max_tokens=40,
+                                                                    structured_outputs={"regex": patterns[i % 4]})
+                                                     for i in range(16)], use_tqdm=False)
+    for i, out in enumerate(outs):
+        assert re.fullmatch(patterns[i % 4], out.outputs[0].text), out.outputs[0].text

@@ -14,8 +14,9 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.sampling_params import StructuredOutputsParams
 
 # JSON schemas, described as a JSON schema whose instances hypothesis-jsonschema draws: objects,
-# arrays, enums, nesting, required/optional properties, string patterns, bounded numbers. Strings
-# and arrays are bounded so that a random model's output ends within max_tokens.
+# arrays, enums, nesting, required/optional properties, string patterns, bounded numbers. Strings,
+# arrays and integers are bounded so that a sampled output ends within max_tokens (an unbounded
+# integer lets a model at temperature 1 write digits until it runs out).
 _LEAF = {"anyOf": [
     {"type": "object", "properties": {"type": {"const": "string"}, "maxLength": {"type": "integer", "minimum": 0,
                                                                                  "maximum": 6}},
@@ -26,7 +27,7 @@ _LEAF = {"anyOf": [
     {"type": "object", "properties": {"type": {"const": "integer"}, "minimum": {"type": "integer", "minimum": -50,
                                                                                 "maximum": 0},
                                       "maximum": {"type": "integer", "minimum": 1, "maximum": 500}},
-     "required": ["type"], "additionalProperties": False},
+     "required": ["type", "maximum"], "additionalProperties": False},
     {"type": "object", "properties": {"type": {"const": "number"}, "minimum": {"const": 0},
                                       "maximum": {"type": "integer", "minimum": 1, "maximum": 100}},
      "required": ["type", "minimum", "maximum"], "additionalProperties": False},

@@ -364,6 +364,7 @@ class _ToolPlan:
     choice: object = None
     parser: str | None = None
     constraint: StructuredOutputsParams | None = None
+    names: set[str] = field(default_factory=set)
 
     @classmethod
     def of(cls, req, parser_name: str | None, template: str | None) -> "_ToolPlan":
@@ -376,7 +377,8 @@ class _ToolPlan:
             schema = T.forced_schema(choice, req.tools, req.parallel_tool_calls is not False)
             return cls(choice, None, StructuredOutputsParams(json=schema))
         if choice == "auto" and req.tools:
-            return cls(choice, T.pick_parser(parser_name, template))
+            names = {t["function"]["name"] for t in req.tools}
+            return cls(choice, T.pick_parser(parser_name, template) or "none", names=names)
         return cls(choice)
 
     @property
@@ -387,7 +389,7 @@ class _ToolPlan:
         if self.forced:
             return None, T.forced_calls(self.choice, text)
         if self.parser is not None:
-            return T.parse(self.parser, text)
+            return T.parse(self.parser, text, self.names)
         return text, []
 
 
@@ -397,7 +399,7 @@ class _ToolStream:
 
     def __init__(self, plan: _ToolPlan) -> None:
         self.plan = plan
-        self.parser = T.StreamingParser(plan.parser) if plan.parser is not None and not plan.forced else None
+        self.parser = T.StreamingParser(plan.parser, plan.names) if plan.parser is not None and not plan.forced else None
         self.text = ""          # forced: the output so far
         self.named_id: str | None = None
         self.num_calls = 0

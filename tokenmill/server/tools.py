@@ -67,49 +67,72 @@ def _call(obj, args_key: str) -> ToolCall | None:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def parse(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+def _calls_of(texts: list[str], args_key: str) -> list[ToolCall] | None:
+    """Each text as one call, or None if any is not a well-formed call."""
+    calls = []
+    for t in texts:
+        try:
+            call = _call(json.loads(t), args_key)
+        except ValueError:
+            call = None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
+
+
+_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+def _bare(text: str, names: set[str]) -> list[ToolCall] | None:
+    """An output that is nothing but a call object (or a list of them) naming one of the tools,
+    possibly in a ```json fence: small models answer in this shape instead of their template's."""
+    body = text.strip()
+    m = _FENCE.match(body)
+    body = m.group(1) if m else body
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(o, dict) and o.get("name") in names for o in items):
+        return None
+    return _calls_of([json.dumps(o) for o in items], "arguments")
+
+
+def parse(parser: str, text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a complete output; an output that does not hold well-formed calls is
-    all content (a model that meant to call a tool but wrote broken JSON is shown as it wrote it)."""
+    all content (a model that meant to call a tool but wrote broken JSON is shown as it wrote it).
+    `names`: the request's tools; an output that is only a call object naming one of them is read
+    as that call whatever the format."""
+    content, calls = _parse_format(parser, text)
+    if not calls and names:
+        bare = _bare(text, names)
+        if bare:
+            return None, bare
+    return content, calls
+
+
+def _parse_format(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    if parser == "none":  # a template without a tool-call format: only bare call objects are calls
+        return text, []
     if parser == "hermes":
-        blocks = _HERMES.findall(text)
-        calls = []
-        for block in blocks:
-            try:
-                call = _call(json.loads(block), "arguments")
-            except ValueError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
+        calls = _calls_of(_HERMES.findall(text), "arguments")
         if not calls:
             return text, []
-        content = _HERMES.sub("", text).strip()
-        return content or None, calls
+        return _HERMES.sub("", text).strip() or None, calls
     if parser == "mistral":
         head, marker, tail = text.partition("[TOOL_CALLS]")
-        if not marker:
-            return text, []
         try:
-            items = json.loads(tail.strip())
+            items = json.loads(tail.strip()) if marker else None
         except ValueError:
-            return text, []
-        calls = [_call(o, "arguments") for o in (items if isinstance(items, list) else [items])]
-        if not calls or None in calls:
-            return text, []
-        return head.strip() or None, calls
+            items = None
+        calls = None if items is None else _calls_of([json.dumps(o) for o in (items if isinstance(items, list)
+                                                                                else [items])], "arguments")
+        return (head.strip() or None, calls) if calls else (text, [])
     if parser == "llama3_json":
         body = text.strip().removeprefix("<|python_tag|>").strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        for part in _split_json_objects(body):
-            try:
-                call = _call(json.loads(part), "parameters")
-            except ValueError:
-                call = None
-            if call is None:
-                return text, []
-            calls.append(call)
+        calls = _calls_of(_split_json_objects(body), "parameters") if body.startswith("{") else None
         return (None, calls) if calls else (text, [])
     raise ValueError(f"unknown tool call parser {parser!r}")
 
@@ -146,14 +169,21 @@ class StreamingParser:
     marker on, text is buffered, and each call goes out once it is complete (hermes: at its
     closing tag; the others at the end of the output)."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, names: set[str] | None = None) -> None:
         self.parser = parser
+        self.names = names or set()
         self.buf = ""
         self.in_calls = False
         self.sent_any_call = False
+        self.bare = bool(self.names)  # the output may still turn out to be a bare call object (held back)
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         self.buf += delta
+        if self.bare:
+            head = self.buf.lstrip()[:7]
+            if not head or head.startswith("{") or "```json".startswith(head) or head == "```json":
+                return "", []   # '{' or a json fence: held to the end, where finish() decides
+            self.bare = False
         if self.parser == "llama3_json":
             stripped = self.buf.lstrip()
             if not self.in_calls and stripped and not (stripped.startswith("{") or
@@ -195,6 +225,15 @@ class StreamingParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is left at the end of the output: the last calls, or (if it never formed calls)
         the held-back text as content."""
+        if self.bare:
+            calls = _bare(self.buf, self.names)
+            if calls:
+                self.buf = ""
+                return "", calls
+            self.bare = False
+            content, more = self.feed("")  # not a call object: the held text goes the usual way
+            rest_content, rest_calls = self.finish()
+            return content + rest_content, more + rest_calls
         rest, self.buf = self.buf, ""
         if self.parser == "none" or not rest.strip():
             return rest, []
