@@ -499,3 +499,40 @@ def test_reasoning_parser_splits_thinking_from_the_answer():
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("suffix", "tail"), ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]),
+    ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 2), ("reasoning_effort", "low")])
+def test_every_unimplemented_field_is_refused_by_name(server, field, value):
+    path, body = ("/v1/completions", {"prompt": "x"}) if field in ("suffix", "best_of") else \
+        ("/v1/chat/completions", {"messages": ASK})
+    if field == "web_search_options":
+        value = {"search_context_size": "low"}
+    r = httpx.post(server + path, headers=headers(), json={"model": MODEL, "max_tokens": 2, **body, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_heavy_schema_or_a_dead_end_fails_or_costs_only_its_request(server, client):
+    """A schema with thousands of long alternatives compiles on a worker thread while another
+    request streams; a constraint that reaches a dead end (min_tokens forbids the end it requires)
+    fails alone with a message saying so; the server serves on."""
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        big = {"type": "object", "properties": {"pick": {"enum": [f"option-{i:05d}-" + "x" * 180 for i in range(4000)]}},
+               "required": ["pick"]}
+        streaming = aclient.chat.completions.create(model=MODEL, messages=ASK, max_tokens=48, temperature=0, stream=True)
+        heavy = aclient.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=0,
+                                                response_format={"type": "json_schema",
+                                                                 "json_schema": {"name": "big", "schema": big}})
+        dead = aclient.completions.create(model=MODEL, prompt="x", max_tokens=20,
+                                          extra_body={"guided_choice": ["ab"], "min_tokens": 10})
+        stream, heavy_r, dead_r = await asyncio.gather(streaming, heavy, dead, return_exceptions=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        return text, heavy_r, dead_r
+    text, heavy_r, dead_r = asyncio.run(run())
+    assert text
+    assert json.loads(heavy_r.choices[0].message.content)["pick"].startswith("option-")
+    assert isinstance(dead_r, openai.APIStatusError) and "dead end" in str(dead_r)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
