@@ -386,8 +386,9 @@ class _ToolPlan:
         return self.constraint is not None
 
     def parse(self, text: str) -> tuple[str | None, list[T.ToolCall]]:
-        if self.forced:
-            return None, T.forced_calls(self.choice, text)
+        if self.forced:  # cut short by max_tokens, it is no call: the text is returned as it is
+            forced = T.forced_calls(self.choice, text)
+            return (None, forced) if forced else (text, [])
         if self.parser is not None:
             return T.parse(self.parser, text, self.names)
         return text, []
