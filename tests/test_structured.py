@@ -186,3 +186,19 @@ def test_constrained_greedy_is_the_same_with_speculation(tiny_llama_tok):
     out = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     assert sum(o.metrics.num_draft_tokens for o in out) > 0
+
+
+def test_preempted_constrained_requests_replay_their_grammar(tiny_llama_tok):
+    """A cache too small for the batch preempts requests; each comes back with a fresh matcher fed
+    its output so far, and greedy outputs equal those of a roomy cache."""
+    schema = {"type": "array", "items": {"enum": ["alpha", "beta", "gamma"]}, "minItems": 20, "maxItems": 20}
+    params = SamplingParams(temperature=0, max_tokens=300, structured_outputs={"json": schema,
+                                                                               "disable_any_whitespace": True})
+    prompts = [f"list {i}: " + "abc " * 20 for i in range(8)]
+    roomy = LLM(tiny_llama_tok, kv_cache_memory="64MiB").generate(prompts, params, use_tqdm=False)
+    small = LLM(tiny_llama_tok, kv_cache_memory="160KiB", max_num_batched_tokens=128)
+    outs = small.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
+    for o in outs:
+        assert len(json.loads(_text(o))) == 20
