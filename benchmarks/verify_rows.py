@@ -1,8 +1,8 @@
 """What scoring 1 + k positions per request costs against one: the decode step of B requests, each
 with k drafts (the runner scores them as B * (1 + k) decode rows through the native decode stack),
-at a ~300-token context. The marginal cost of a draft row, relative to a one-row step, is what
-`tokenmill.core.speculation.ROW_COST` takes as its prior (the policy then fits it on the steps it runs); the cost at larger B is what
-`disable_by_batch_size` guards against.
+at a ~300-token context. The marginal cost of a draft row, relative to a one-row step, is the prior
+`tokenmill.core.speculation.ROW_COST` (the draft policy then fits it on the steps it runs); the cost
+at larger B is what `disable_by_batch_size` guards against.
 
     python benchmarks/verify_rows.py [--model M] [--batches 1,4,8,16] [--drafts 0,1,2,4,8] [--json out.json]
 """
