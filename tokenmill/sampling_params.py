@@ -6,6 +6,7 @@ request ever reaches the engine.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -73,9 +74,10 @@ class StructuredOutputsParams:
                                                     or len(self.whitespace_pattern) > 1024):
             raise ValueError("structured_outputs.whitespace_pattern must be a regex of at most 1024 characters.")
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        """What identifies the compiled grammar (the cache key)."""
+        """What identifies the compiled grammar (the cache key; computed once: a schema may be
+        large, and the server, the engine and the runner each look it up)."""
         return json.dumps([self.json, self.regex, self.choice, self.grammar, bool(self.json_object),
                            self.disable_any_whitespace, self.whitespace_pattern], sort_keys=True)
 

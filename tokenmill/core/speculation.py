@@ -112,6 +112,8 @@ class DraftPolicy:
         self._steps = 0
         self._per_draft: dict[int, deque[float]] = {}  # batch size -> what one draft added to its step (s)
         self._last_propose: tuple[float, bool] = (0.0, False)  # the previous step's proposing: (s, steady)
+        self._costs_at: tuple[int, int] | None = None  # (step, batch) the cached costs below are for
+        self._costs: tuple[float, float, bool] = (0.0, 0.0, False)
 
     def _step(self, batch: int) -> float:
         """A decode step of `batch` requests without drafts: measured, else the fit's, in s (in
@@ -130,9 +132,18 @@ class DraftPolicy:
         t0 = self.fit.t0(self.row_cost) or 1.0
         return self.row_cost * t0 + self.draft_cost * self._step(batch) / max(batch, 1)
 
+    def _costs_for(self, batch: int) -> tuple[float, float, bool]:
+        """(a token's share of a plain step, a draft's price, whether that price is measured) at
+        this batch size; computed once per step, as every request of the step asks the same."""
+        if self._costs_at != (self._steps, batch):
+            self._costs_at = (self._steps, batch)
+            self._costs = (self._step(batch) / max(batch, 1), self._draft_price(batch),
+                           _median(self._per_draft.get(batch)) is not None)
+        return self._costs
+
     def _saving(self, a: float, k: int, batch: int) -> float:
-        token = self._step(batch) / max(batch, 1)
-        return (expected_tokens(a, k) - 1.0 - MARGIN * k) * token - k * self._draft_price(batch)
+        token, price, _ = self._costs_for(batch)
+        return (expected_tokens(a, k) - 1.0 - MARGIN * k) * token - k * price
 
     def num_propose(self, req: Request, num_running: int) -> int:
         if self.disable_by_batch_size is not None and num_running > self.disable_by_batch_size:
@@ -156,7 +167,7 @@ class DraftPolicy:
 
     def _dear(self, batch: int) -> bool:
         """Drafts measurably cost more than they can save at this batch size, at any acceptance."""
-        return (_median(self._per_draft.get(batch)) is not None
+        return (self._costs_for(batch)[2]
                 and all(self._saving(1.0, k, batch) <= 0.0 for k in range(1, self.k_max + 1)))
 
     def observe_timing(self, timing: StepTiming) -> None:

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+from tokenmill.server.tools import partial_suffix
+
 PARSERS = ("deepseek_r1", "qwen3")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -54,7 +56,7 @@ class StreamingReasoning:
                 reasoning, self.buf, self.state = self.buf[:at], self.buf[at + len(CLOSE):], "answering"
                 self.after_close = True
             else:
-                keep = 0 if final else _partial_suffix(self.buf, CLOSE)
+                keep = 0 if final else partial_suffix(self.buf, CLOSE)
                 reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return reasoning, ""
         if self.state == "answering":
@@ -64,9 +66,3 @@ class StreamingReasoning:
             content, self.buf = self.buf, ""
         return reasoning, content
 
-
-def _partial_suffix(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

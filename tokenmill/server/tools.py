@@ -174,7 +174,6 @@ class StreamingParser:
         self.names = names or set()
         self.buf = ""
         self.in_calls = False
-        self.sent_any_call = False
         self.bare = bool(self.names)  # the output may still turn out to be a bare call object (held back)
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
@@ -203,7 +202,7 @@ class StreamingParser:
         if not self.in_calls:
             at = self.buf.find(marker)
             if at < 0:
-                keep = _partial_suffix(self.buf, marker)
+                keep = partial_suffix(self.buf, marker)
                 content, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                 return content, []
             content, self.buf = self.buf[:at], self.buf[at:]
@@ -219,7 +218,6 @@ class StreamingParser:
                     break
                 calls += parsed
                 self.buf = self.buf.lstrip()[m.end():]
-        self.sent_any_call |= bool(calls)
         return content, calls
 
     def finish(self) -> tuple[str, list[ToolCall]]:
@@ -243,8 +241,9 @@ class StreamingParser:
         return content or "", calls
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """How many trailing characters of `text` could be the beginning of `marker`."""
+def partial_suffix(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could be the beginning of `marker` (streamed text
+    held back until it is known not to be a marker)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
             return n
