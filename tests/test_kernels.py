@@ -135,11 +135,17 @@ def _paged(b, lens, bs, hq, hkv, d, dtype, seed):
     ([100], 16, 14, 2, 64),              # Qwen2.5-0.5B's grouping (7 query heads per KV head)
     ([50, 3], 16, 16, 1, 32),            # 16 query heads per KV head: past the grouped kernel's 8
 ])
-def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dtype):
+@pytest.mark.parametrize("window", [0, 7, 24])
+def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dtype, window):
     q, kc, vc, tables, lens_t, mask = _paged(len(lens), lens, bs, hq, hkv, d, dtype, seed=len(lens) + bs)
     scale = d ** -0.5
-    got = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, scale)
+    if window:
+        mask = mask & (torch.arange(mask.shape[-1]) >= (lens_t - window)[:, None, None, None])
     ref = decode_reference(q, kc, vc, tables, mask, scale)
+    if window:  # blocks wholly before a sliding window are never read: they may have been handed back
+        for i, n in enumerate(lens):
+            tables[i, :max(0, n - window) // bs] = -1
+    got = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, scale, window)
     assert got.shape == q.shape
     assert (got - ref).abs().max() <= 2e-5
 
@@ -152,8 +158,9 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
     (31, 40, 32, 4, 4, 128),    # no GQA; blocks longer than the 32-token chunk; query tiles of 32 + rest
     (5, 1, 16, 4, 2, 16),       # one query
 ])
-def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype):
-    from tokenmill.layers.attention import _sdpa_batched, gather_blocks
+@pytest.mark.parametrize("window", [0, 9, 40])
+def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype, window):
+    from tokenmill.layers.attention import _attend, gather_blocks
     g = torch.Generator().manual_seed(start + n)
     width = -(-(start + n) // bs)
     num_blocks = width + 6
@@ -162,14 +169,20 @@ def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, 
     table = torch.randperm(num_blocks, generator=g)[:width]
     q = torch.randn(n, hq, d, generator=g)
     scale = d ** -0.5
-    got = kernels.paged_context_attention(q, kc, vc, table, start, scale)
-    mask = torch.arange(width * bs)[None, :] <= torch.arange(start, start + n)[:, None]
-    ref = _sdpa_batched(q[None], gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float(),
-                        scale, mask[None, None])[0]
+    q_pos = torch.arange(start, start + n)[:, None]
+    mask = torch.arange(width * bs)[None, :] <= q_pos
+    if window:
+        mask &= torch.arange(width * bs)[None, :] > q_pos - window
+    ref = _attend(q[None], gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float(),
+                  scale, mask[None, None])[0]
+    if window:  # blocks wholly before the first query's window are never read
+        table = table.clone()
+        table[:max(0, start - window + 1) // bs] = -1
+    got = kernels.paged_context_attention(q, kc, vc, table, start, scale, window)
     assert got.shape == q.shape
     assert (got - ref).abs().max() <= 2e-5
     with pytest.raises(RuntimeError, match="does not cover"):
-        kernels.paged_context_attention(q, kc, vc, table[:-1], start, scale)
+        kernels.paged_context_attention(q, kc, vc, table[:-1], start, scale, window)
 
 
 def test_paged_decode_attention_rejects_bad_block_ids():

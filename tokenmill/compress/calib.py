@@ -79,7 +79,7 @@ class LayerWalk:
 
     def __init__(self, model: CausalLM, samples: list[torch.Tensor]) -> None:
         self.model = model
-        self.rope = model.rotary.lookup(torch.arange(samples[0].numel()))
+        self.rope = model.ropes(torch.arange(samples[0].numel()))
         with torch.no_grad():
             emb = model.model.embed_tokens
             self.hidden = [emb(s) for s in samples]

@@ -129,7 +129,7 @@ def _awq_layer(model: CausalLM, layer: DecoderLayer, walk: LayerWalk, cfg: Quant
         for name, s in scales.items():
             mods[name].weight.data.mul_(s)
         _fold_into_norm(layer.input_layernorm, scales["self_attn.qkv_proj"], model.cfg.norm_offset)
-        _fold_into_norm(layer.post_attention_layernorm, scales["mlp.gate_up_proj"], model.cfg.norm_offset)
+        _fold_into_norm(layer.mlp_norm, scales["mlp.gate_up_proj"], model.cfg.norm_offset)
         mlp.gate_up_proj.weight.data[mlp.inter:].div_(scales["mlp.down_proj"][:, None])
         if "self_attn.o_proj" in scales:
             v = slice(attn.q_size + attn.kv_size, None)

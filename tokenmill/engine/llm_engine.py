@@ -7,7 +7,6 @@ outputs are gathered back under the parent id.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -60,7 +59,7 @@ class LLMEngine:
         self.activation_bits = loaded.activation_bits
         self.dtype = next(loaded.model.parameters()).dtype
 
-        limit = min(self.arch.max_position_embeddings, self.arch.sliding_window or math.inf)
+        limit = self.arch.context_length
         self.max_model_len = int(mc.max_model_len or limit)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {int(limit)} tokens.")

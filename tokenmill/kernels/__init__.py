@@ -179,19 +179,22 @@ def int8_linear(x: torch.Tensor, w: Int8Panels) -> torch.Tensor:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           window: int = 0) -> torch.Tensor:
     """q (B, Hq, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, W) and
-    context_lens (B,) int64 -> (B, Hq, D)."""
+    context_lens (B,) int64 -> (B, Hq, D). window > 0: each query sees its `window` latest positions."""
     if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:  # strided rows are fine; strided heads are not
         q = q.contiguous()
-    return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return torch.ops.tokenmill.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, window)
 
 
 def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+                            block_table: torch.Tensor, start: int, scale: float, window: int = 0) -> torch.Tensor:
     """One sequence's prompt chunk over its cached context: q (T, Hq, D) at positions start..start+T-1,
-    whose K/V are already in the cache; block_table (W,) int64 -> (T, Hq, D), causal."""
-    return torch.ops.tokenmill.paged_context_attention(q.contiguous(), k_cache, v_cache, block_table, start, scale)
+    whose K/V are already in the cache; block_table (W,) int64 -> (T, Hq, D), causal (and within
+    `window` positions when window > 0)."""
+    return torch.ops.tokenmill.paged_context_attention(q.contiguous(), k_cache, v_cache, block_table, start, scale,
+                                                       window)
 
 
 def usable_for(x: torch.Tensor) -> bool:
@@ -207,6 +210,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half rotary embedding of x (T, H, D) -> contiguous (T, H, D); cos/sin (T, D/2)."""
     return torch.ops.tokenmill.rotary(x, cos.reshape(x.shape[0], -1), sin.reshape(x.shape[0], -1))
+
+
+def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of every head of x (T, H, D) in place (rows may be strided), one weight (D,)."""
+    torch.ops.tokenmill.head_rms_norm_(x, weight, eps)
+    return x
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

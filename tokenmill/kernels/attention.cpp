@@ -33,9 +33,14 @@ constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256;
 //
 //   q (B, Hq, D) float32   k_cache, v_cache (num_blocks, block_size, Hkv, D) float32 or float16
 //   block_tables (B, W) int64, context_lens (B,) int64   ->  out (B, Hq, D)
+// A sliding-window layer (window > 0) starts at position len - window: the blocks before it are
+// never read (they may have been handed back).
+inline int64_t window_start(int64_t len, int64_t window) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; }
+
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, at::Tensor& out) {
+                      const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, int64_t window,
+                      at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
   const int64_t G = Hq / Hkv, row = Hkv * D;
@@ -55,7 +60,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       std::fill(acc, acc + G * D, 0.f);
       std::fill(mx, mx + G, neg_inf);
       std::fill(l, l + G, 0.f);
-      for (int64_t pos = 0; pos < len; pos += std::min(bs, kLanes)) {  // 16-token chunks of blocks
+      for (int64_t pos = window_start(len, window); pos < len; pos += std::min(bs - pos % bs, kLanes)) {
         const int64_t j = pos / bs, off = pos % bs, n = std::min({bs - off, kLanes, len - pos});
         const int64_t blk = tp[b * W + j];
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
@@ -111,20 +116,21 @@ struct DecodeItems {
   const T *k, *v;
   const int64_t *tables, *lens;
   float* out;
-  int64_t B, Hq, D, Hkv, num_blocks, bs, W, q_stride, row, lines;
+  int64_t B, Hq, D, Hkv, num_blocks, bs, W, q_stride, row, lines, window;
 
   DecodeItems(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
-              const at::Tensor& context_lens, at::Tensor& out_)
+              const at::Tensor& context_lens, int64_t window_, at::Tensor& out_)
       : q(q_.data_ptr<float>()), k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()),
         tables(block_tables.data_ptr<int64_t>()), lens(context_lens.data_ptr<int64_t>()), out(out_.data_ptr<float>()),
         B(q_.size(0)), Hq(q_.size(1)), D(q_.size(2)), Hkv(k_cache.size(2)), num_blocks(k_cache.size(0)),
         bs(k_cache.size(1)), W(block_tables.size(1)), q_stride(q_.stride(0)), row(Hkv * D),
-        lines((D * static_cast<int64_t>(sizeof(T)) + 63) / 64) {}
+        lines((D * static_cast<int64_t>(sizeof(T)) + 63) / 64), window(window_) {}
 
   int64_t len(int64_t b) const {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * bs, "context length out of range");
     return lens[b];
   }
+  int64_t first(int64_t len) const { return window_start(len, window); }
   // the first of the item's G query rows (rows may be strided: a view into qkv)
   const float* query(int64_t b, int64_t h, int G) const { return q + b * q_stride + h * G * D; }
   float* output(int64_t b, int64_t h, int G) const { return out + (b * Hq + h * G) * D; }
@@ -167,8 +173,8 @@ inline __m512 reduce16(const __m512* v) {
 template <typename T, int G>
 void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
-                            at::Tensor& out) {
-  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, out);
+                            int64_t window, at::Tensor& out) {
+  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, window, out);
   const int64_t D = it.D, C = D / kLanes, bs = it.bs, row = it.row;
   const __m512 lane = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   at::parallel_for(0, it.B * it.Hkv, 1, [&](int64_t i0, int64_t i1) {
@@ -181,8 +187,8 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       std::fill(acc, acc + G * D, 0.f);
       float mx[G], l[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-      int64_t at = it.offset(b, h, 0), next_at = 0;
-      for (int64_t pos = 0; pos < len; pos += std::min(bs, kLanes), at = next_at) {  // 16-token chunks of blocks
+      int64_t at = it.offset(b, h, it.first(len)), next_at = 0;
+      for (int64_t pos = it.first(len); pos < len; pos += std::min(bs - pos % bs, kLanes), at = next_at) {  // 16-token chunks
         const int64_t n = std::min({bs - pos % bs, kLanes, len - pos}), next = pos + n;
         const T *kb = it.k + at, *vb = it.v + at;
         if (next < len) {  // the next chunk's rows
@@ -255,12 +261,12 @@ inline __m256 reduce8(const __m256* v) {
 template <typename T, int G>
 void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
-                            at::Tensor& out) {
+                            int64_t window, at::Tensor& out) {
   // kAhead: rows are prefetched a block (16 tokens) ahead; an 8-token chunk is shorter work than
   // a DRAM miss, and prefetching only the next chunk left the K loads stalling (perf: a third of
   // the kernel's samples on the instruction after vcvtph2ps)
   constexpr int64_t kTok = 8, kAhead = 16;
-  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, out);
+  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, window, out);
   const int64_t D = it.D, C = D / 8, bs = it.bs, row = it.row;
   const __m256 lane = _mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   at::parallel_for(0, it.B * it.Hkv, 1, [&](int64_t i0, int64_t i1) {
@@ -273,8 +279,8 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       std::fill(acc, acc + G * D, 0.f);
       float mx[G], l[G];
       for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-      int64_t at = it.offset(b, h, 0), next_at = 0;
-      for (int64_t pos = 0; pos < len; pos += std::min(bs - pos % bs, kTok), at = next_at) {
+      int64_t at = it.offset(b, h, it.first(len)), next_at = 0;
+      for (int64_t pos = it.first(len); pos < len; pos += std::min(bs - pos % bs, kTok), at = next_at) {
         const int64_t n = std::min({bs - pos % bs, kTok, len - pos}), next = pos + n;
         const T *kb = it.k + at, *vb = it.v + at;
         if (next < len) next_at = it.offset(b, h, next);
@@ -334,10 +340,10 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
-                           at::Tensor& out) {
+                           int64_t window, at::Tensor& out) {
   switch (q.size(1) / k_cache.size(2)) {
 #define TOKENMILL_GROUP(g) \
-  case g: decode_attention_group<T, g>(q, k_cache, v_cache, block_tables, context_lens, scale, out); return true;
+  case g: decode_attention_group<T, g>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out); return true;
     TOKENMILL_GROUP(1) TOKENMILL_GROUP(2) TOKENMILL_GROUP(3) TOKENMILL_GROUP(4)
     TOKENMILL_GROUP(5) TOKENMILL_GROUP(6) TOKENMILL_GROUP(7) TOKENMILL_GROUP(8)
 #undef TOKENMILL_GROUP
@@ -347,7 +353,7 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const
 #else
 template <typename T>
 bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                           const at::Tensor&, float, at::Tensor&) {
+                           const at::Tensor&, float, int64_t, at::Tensor&) {
   return false;
 }
 #endif
@@ -415,8 +421,8 @@ void pv_avx2(int R, const float (*p)[kChunk], const float* alpha, const float* v
 }
 
 template <int R>
-void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float* kt, const float* vb, int64_t D,
-                float* const* acc, float* mx, v16f* l) {
+void chunk_rows(const float* qt, int64_t ldq, const int64_t* skip, const int64_t* valid, const float* kt,
+                const float* vb, int64_t D, float* const* acc, float* mx, v16f* l) {
   __m256 s[R][4];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) s[r][i] = _mm256_setzero_ps();
@@ -434,7 +440,9 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
   for (int r = 0; r < R; ++r) {
     __m256 vis[4], m = neg_inf;
     for (int i = 0; i < 4; ++i) {
-      vis[i] = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(8.f * i)), _mm256_set1_ps(static_cast<float>(valid[r])), _CMP_LT_OQ);
+      const __m256 li = _mm256_add_ps(lane, _mm256_set1_ps(8.f * i));
+      vis[i] = _mm256_and_ps(_mm256_cmp_ps(li, _mm256_set1_ps(static_cast<float>(valid[r])), _CMP_LT_OQ),
+                             _mm256_cmp_ps(li, _mm256_set1_ps(static_cast<float>(skip[r])), _CMP_GE_OQ));
       s[r][i] = _mm256_blendv_ps(neg_inf, s[r][i], vis[i]);
       m = _mm256_max_ps(m, s[r][i]);
     }
@@ -499,11 +507,11 @@ void pv_tiles(int R, const float (*p)[kChunk], const float* alpha, const float* 
 
 // R query rows x one chunk, online softmax. qt: the rows' queries, scaled and transposed (element d
 // of row r at qt[d * ldq + r]: one pointer serves every row's broadcast); kt: keys transposed
-// (D x kChunk), vb: values (kChunk x D); valid[r]: the row's visible tokens of the chunk;
-// acc/mx/l: the rows' running output, max and (per lane) sum.
+// (D x kChunk), vb: values (kChunk x D); the row sees the chunk's tokens [skip[r], valid[r]) (skip:
+// before a sliding window); acc/mx/l: the rows' running output, max and (per lane) sum.
 template <int R>
-void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float* kt, const float* vb, int64_t D,
-                float* const* acc, float* mx, v16f* l) {
+void chunk_rows(const float* qt, int64_t ldq, const int64_t* skip, const int64_t* valid, const float* kt,
+                const float* vb, int64_t D, float* const* acc, float* mx, v16f* l) {
   v16f s[R][2];
   for (int r = 0; r < R; ++r) s[r][0] = s[r][1] = v16f{};
   for (int64_t d = 0; d < D; ++d) {
@@ -521,7 +529,9 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
   float alpha[R];
   for (int r = 0; r < R; ++r) {
     const v16f vis0 = splat(static_cast<float>(valid[r])), vis1 = vis0 - splat(static_cast<float>(kLanes));
-    const v16f sc0 = lane < vis0 ? s[r][0] : neg_inf, sc1 = lane < vis1 ? s[r][1] : neg_inf;
+    const v16f sk0 = splat(static_cast<float>(skip[r])), sk1 = sk0 - splat(static_cast<float>(kLanes));
+    const auto in0 = (lane < vis0) & (lane >= sk0), in1 = (lane < vis1) & (lane >= sk1);
+    const v16f sc0 = in0 ? s[r][0] : neg_inf, sc1 = in1 ? s[r][1] : neg_inf;
     const float bmax = hmax(sc0 > sc1 ? sc0 : sc1);
     alpha[r] = 1.f;
     if (bmax > mx[r]) {
@@ -529,7 +539,7 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* valid, const float*
       l[r] *= alpha[r];
       mx[r] = bmax;
     }
-    const v16f e0 = lane < vis0 ? exp16(sc0 - mx[r]) : v16f{}, e1 = lane < vis1 ? exp16(sc1 - mx[r]) : v16f{};
+    const v16f e0 = in0 ? exp16(sc0 - mx[r]) : v16f{}, e1 = in1 ? exp16(sc1 - mx[r]) : v16f{};
     l[r] += e0 + e1;
     store(p[r], e0, kLanes);
     store(p[r] + kLanes, e1, kLanes);
@@ -599,15 +609,15 @@ void transpose_keys(const T* const* krow, int64_t D, float* kt) {
 #endif
 }
 
-using ChunkRows = void (*)(const float*, int64_t, const int64_t*, const float*, const float*, int64_t, float* const*,
-                           float*, v16f*);
+using ChunkRows = void (*)(const float*, int64_t, const int64_t*, const int64_t*, const float*, const float*, int64_t,
+                           float* const*, float*, v16f*);
 constexpr ChunkRows kChunkRows[13] = {nullptr, chunk_rows<1>, chunk_rows<2>, chunk_rows<3>, chunk_rows<4>,
                                                  chunk_rows<5>, chunk_rows<6>, chunk_rows<7>, chunk_rows<8>,
                                                  chunk_rows<9>, chunk_rows<10>, chunk_rows<11>, chunk_rows<12>};
 
 template <typename T>
 void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_table, int64_t start, float scale, at::Tensor& out) {
+                       const at::Tensor& block_table, int64_t start, float scale, int64_t window, at::Tensor& out) {
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv, row = Hkv * D, ntiles = (Tq + kQueryTile - 1) / kQueryTile;
@@ -624,7 +634,7 @@ void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
     std::vector<v16f> l(max_rows);
     std::vector<float> qt(D * max_rows);  // qt[d * rows + r]: the item's queries, scaled, transposed
     std::vector<float*> arow(max_rows);
-    std::vector<int64_t> valid(max_rows);
+    std::vector<int64_t> valid(max_rows), skip(max_rows);
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t h = item / ntiles, first = (item % ntiles) * kQueryTile;
       const int64_t last = std::min(Tq, first + kQueryTile), rows = (last - first) * G, end = start + last;
@@ -636,7 +646,8 @@ void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t d = 0; d < D; ++d) qt[d * rows + r] = qrow[d] * scale;
         arow[r] = acc.data() + r * D;
       }
-      for (int64_t pos = 0; pos < end; pos += kChunk) {
+      // a sliding window: the tile's first query sees the earliest position any of its queries sees
+      for (int64_t pos = window > 0 ? std::max<int64_t>(0, start + first - window + 1) : 0; pos < end; pos += kChunk) {
         const int64_t n = std::min(kChunk, end - pos);
         for (int64_t t = 0; t < kChunk; ++t) {
           const int64_t blk = t < n ? tp[(pos + t) / bs] : 0;
@@ -648,11 +659,15 @@ void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         transpose_keys(krow, D, kt);
         // tokens before pos - start see none of this chunk (causal); the rest up to their position
         const int64_t r0 = std::max<int64_t>(0, pos - start - first) * G;
-        for (int64_t r = r0; r < rows; ++r) valid[r] = std::min(n, start + first + r / G + 1 - pos);
+        for (int64_t r = r0; r < rows; ++r) {
+          const int64_t qpos = start + first + r / G;
+          valid[r] = std::min(n, qpos + 1 - pos);
+          skip[r] = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - pos) : 0;
+        }
         for (int64_t r = r0; r < rows; r += kRowBlock) {
           const int64_t nr = std::min<int64_t>(kRowBlock, rows - r);
-          kChunkRows[nr](qt.data() + r, rows, valid.data() + r, kt, vb, D, arow.data() + r, mx.data() + r,
-                         l.data() + r);
+          kChunkRows[nr](qt.data() + r, rows, skip.data() + r, valid.data() + r, kt, vb, D, arow.data() + r,
+                         mx.data() + r, l.data() + r);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -682,7 +697,7 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 }
 
 at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t start, double scale) {
+                                   const at::Tensor& block_table, int64_t start, double scale, int64_t window) {
   check_caches(k_cache, v_cache);
   check_heads(q, k_cache);
   TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
@@ -692,14 +707,15 @@ at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cach
               "the block table does not cover the context");
   at::Tensor out = at::empty_like(q);
   if (k_cache.scalar_type() == at::kFloat)
-    context_attention<float>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), out);
+    context_attention<float>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), window, out);
   else
-    context_attention<at::Half>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), out);
+    context_attention<at::Half>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), window, out);
   return out;
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window) {
   check_caches(k_cache, v_cache);
   check_heads(q, k_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
@@ -709,10 +725,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty(q.sizes(), q.options());
   const float sc = static_cast<float>(scale);
   if (k_cache.scalar_type() == at::kFloat) {
-    if (!decode_attention_fast<float>(q, k_cache, v_cache, block_tables, context_lens, sc, out))
-      decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, sc, out);
-  } else if (!decode_attention_fast<at::Half>(q, k_cache, v_cache, block_tables, context_lens, sc, out)) {
-    decode_attention<at::Half>(q, k_cache, v_cache, block_tables, context_lens, sc, out);
+    if (!decode_attention_fast<float>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out))
+      decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out);
+  } else if (!decode_attention_fast<at::Half>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out)) {
+    decode_attention<at::Half>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out);
   }
   return out;
 }
@@ -721,9 +737,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
+        "Tensor context_lens, float scale, int window=0) -> Tensor");
   m.def("paged_context_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, int start, "
-        "float scale) -> Tensor");
+        "float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -31,12 +31,15 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
 #endif
 // K/V caches the paged kernels read: contiguous float32/float16 (num_blocks, block_size, Hkv, D), same shape.
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache);
+// window > 0: a query attends to its `window` latest positions only (sliding-window layers); 0: all.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                                  int64_t window);
 at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_table, int64_t start, double scale);
+                                   const at::Tensor& block_table, int64_t start, double scale, int64_t window);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+void head_rms_norm_(at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
 }  // namespace tokenmill

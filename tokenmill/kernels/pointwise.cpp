@@ -27,13 +27,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 }
 
 // Rotate-half (NeoX) rotary embedding of x (T, Hx, D), any strides with contiguous last dimension,
-// cos/sin (T, D/2): out[..., i] = x1 cos - x2 sin, out[..., i + D/2] = x2 cos + x1 sin.
+// cos/sin (T, R/2) for the first R <= D dimensions: out[..., i] = x1 cos - x2 sin,
+// out[..., i + R/2] = x2 cos + x1 sin for i < R/2; dimensions past R (partial rotary) are copied.
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be float (T, H, D)");
-  const int64_t T = x.size(0), Hx = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && cos.numel() == T * half && sin.numel() == T * half && cos.is_contiguous() &&
-              sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
-              "cos/sin must be float (T, D/2)");
+  const int64_t T = x.size(0), Hx = x.size(1), D = x.size(2);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == T && cos.sizes() == sin.sizes() && 2 * cos.size(1) <= D &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+              sin.scalar_type() == at::kFloat, "cos/sin must be float (T, R/2) with R <= D");
+  const int64_t half = cos.size(1);
   at::Tensor out = at::empty({T, Hx, D}, x.options());
   const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -49,9 +51,30 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
         o[j] = x1 * c[j] - x2 * s[j];
         o[j + half] = x2 * c[j] + x1 * s[j];
       }
+      for (int64_t j = 2 * half; j < D; ++j) o[j] = xr[j];
     }
   });
   return out;
+}
+
+// RMSNorm of every head of x (T, H, D) (strided rows: a view into the fused qkv output) with one
+// weight (D,) shared by the heads, in place: Qwen3's and Gemma 3's q/k norms. The same arithmetic
+// as rms_norm above, row by row.
+void head_rms_norm_(at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be float (T, H, D)");
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), st = x.stride(0), sh = x.stride(1);
+  TORCH_CHECK(w.numel() == D && w.scalar_type() == at::kFloat && w.is_contiguous(), "w must be float (D,)");
+  float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* xr = xp + (i / H) * st + (i % H) * sh;
+      double ss = 0.0;
+      for (int64_t j = 0; j < D; ++j) ss += static_cast<double>(xr[j]) * xr[j];
+      const float inv = static_cast<float>(1.0 / std::sqrt(ss / D + eps));
+      for (int64_t j = 0; j < D; ++j) xr[j] = xr[j] * inv * wp[j];
+    }
+  });
 }
 
 // The gated MLP's middle: gu (T, 2I) = [gate | up] -> silu(gate) * up (T, I), in one pass
@@ -138,6 +161,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("head_rms_norm_(Tensor(a!) x, Tensor w, float eps) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
 }
@@ -145,6 +169,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("rms_norm", &tokenmill::rms_norm);
   m.impl("rotary", &tokenmill::rotary);
+  m.impl("head_rms_norm_", &tokenmill::head_rms_norm_);
   m.impl("silu_mul", &tokenmill::silu_mul);
   m.impl("argmax_rows", &tokenmill::argmax_rows);
 }

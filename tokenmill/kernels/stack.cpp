@@ -47,6 +47,9 @@ struct Projection {
 
 struct Layer {
   at::Tensor in_norm, post_norm, k_cache, v_cache;
+  int64_t window = 0, rope = 0;  // sliding window (0: global); which rotary table (1: the local one)
+  at::Tensor q_norm, k_norm;     // optional per-head norms of q and k (Qwen3, Gemma 3)
+  at::Tensor attn_out_norm, mlp_out_norm;  // optional norms of the attention and MLP outputs (Gemma 2/3)
   std::vector<Projection> proj;  // qkv, o, gate_up, down
 };
 
@@ -74,11 +77,20 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(head_dim % 2 == 0 && num_heads % num_kv_heads == 0, "bad head shapes");
   }
 
-  // Norm weights are the factors the norm multiplies by (Gemma's 1 + w already added).
-  void add_layer(at::Tensor in_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
+  // Norm weights are the factors the norm multiplies by (Gemma's 1 + w already added). post_norm is
+  // the norm before the MLP; attn_out_norm / mlp_out_norm, where given, normalise the attention and
+  // MLP outputs before they join the residual stream.
+  void add_layer(at::Tensor in_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache, int64_t window,
+                 int64_t rope, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
+                 c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm) {
     check_caches(k_cache, v_cache);
     TORCH_CHECK(k_cache.size(2) == hkv_ && k_cache.size(3) == d_, "caches must have ", hkv_, " heads of ", d_);
-    layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, {}});
+    TORCH_CHECK(window >= 0 && (rope == 0 || rope == 1), "bad window or rotary index");
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
+    TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(), "output norms come together");
+    auto opt = [](const c10::optional<at::Tensor>& t) { return t ? t->contiguous() : at::Tensor(); };
+    layers_.push_back(Layer{in_norm.contiguous(), post_norm.contiguous(), k_cache, v_cache, window, rope,
+                            opt(q_norm), opt(k_norm), opt(attn_out_norm), opt(mlp_out_norm), {}});
   }
 
   // Appends the last layer's next projection, in the order qkv, o, gate_up, down.
@@ -98,11 +110,12 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.back().proj.push_back(std::move(p));
   }
 
-  // h (B, hidden): one token per sequence; cos/sin (B, D/2) of its position; slots (B,) where its
-  // K/V go; block_tables (B, W) and context_lens (B,) as paged_decode_attention takes them.
+  // h (B, hidden): one token per sequence; cos/sin (B, R/2) of its position (cos_local/sin_local:
+  // the local layers' rotary, where it differs); slots (B,) where its K/V go; block_tables (B, W)
+  // and context_lens (B,) as paged_decode_attention takes them.
   // Returns the hidden states after the last layer (before the final norm).
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor block_tables,
-                     at::Tensor context_lens) {
+                     at::Tensor context_lens, c10::optional<at::Tensor> cos_local, c10::optional<at::Tensor> sin_local) {
     TORCH_CHECK(!layers_.empty() && layers_.back().proj.size() == 4, "the stack is incomplete");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be float (B, hidden)");
     h = h.clone();  // the residual stream, updated in place
@@ -110,8 +123,16 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
                 "one int64 cache slot per sequence");
     for (const Layer& L : layers_) {
-      const at::Tensor qkv = L.proj[0](rms_norm(h, L.in_norm, eps_));                       // (B, (Hq+2Hkv) D)
-      const at::Tensor qk = rotary(qkv.narrow(1, 0, (hq_ + hkv_) * d_).view({B, hq_ + hkv_, d_}), cos, sin);
+      at::Tensor qkv = L.proj[0](rms_norm(h, L.in_norm, eps_));                             // (B, (Hq+2Hkv) D)
+      if (L.q_norm.defined()) {
+        at::Tensor qh = qkv.narrow(1, 0, hq_ * d_).view({B, hq_, d_}), kh = qkv.narrow(1, hq_ * d_, hkv_ * d_).view({B, hkv_, d_});
+        head_rms_norm_(qh, L.q_norm, eps_);
+        head_rms_norm_(kh, L.k_norm, eps_);
+      }
+      const bool local = L.rope == 1;
+      TORCH_CHECK(!local || (cos_local && sin_local), "a local-rotary layer needs cos_local/sin_local");
+      const at::Tensor qk = rotary(qkv.narrow(1, 0, (hq_ + hkv_) * d_).view({B, hq_ + hkv_, d_}),
+                                   local ? *cos_local : cos, local ? *sin_local : sin);
       const int64_t num_slots = L.k_cache.size(0) * L.k_cache.size(1);
       const float *kp = qk.data_ptr<float>() + hq_ * d_, *vp = qkv.data_ptr<float>() + (hq_ + hkv_) * d_;
       if (L.k_cache.scalar_type() == at::kHalf)
@@ -121,10 +142,12 @@ class DecodeStack : public torch::CustomClassHolder {
         store_rows(kp, vp, (hq_ + hkv_) * d_, qkv_n, slots.data_ptr<int64_t>(), B, row, num_slots,
                    L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>());
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
-                                                  block_tables, context_lens, scale_);
-      add_into(h, L.proj[1](o.view({B, hq_ * d_})));
+                                                  block_tables, context_lens, scale_, L.window);
+      const at::Tensor a = L.proj[1](o.view({B, hq_ * d_}));
+      add_into(h, L.attn_out_norm.defined() ? rms_norm(a, L.attn_out_norm, eps_) : a);
       const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
-      add_into(h, L.proj[3](activation(gu)));
+      const at::Tensor m = L.proj[3](activation(gu));
+      add_into(h, L.mlp_out_norm.defined() ? rms_norm(m, L.mlp_out_norm, eps_) : m);
     }
     return h;
   }

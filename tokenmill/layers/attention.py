@@ -43,6 +43,14 @@ class AttentionMetadata:
     all_decode: bool = False                         # every token is a decode, in batch order
     prefills: list[PrefillSegment] = field(default_factory=list)
 
+    def sequence_lengths(self, positions: torch.Tensor) -> torch.Tensor:
+        """(T,) the sequence length in force for each token (layers/rotary.py): a decode row's own
+        position + 1, a prompt chunk's last position + 1 for all its tokens."""
+        lens = positions + 1
+        for seg in self.prefills:
+            lens[seg.q_start:seg.q_end] = positions[seg.q_end - 1] + 1
+        return lens
+
 
 _CONTEXT: AttentionMetadata | None = None
 
@@ -62,9 +70,15 @@ def get_forward_context() -> AttentionMetadata | None:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    """`window` > 0: each query sees only its `window` latest positions (a sliding-window layer).
+    `softcap`: scores become cap * tanh(scores / cap) before the softmax (Gemma 2); the CPU kernels
+    do not implement it, so such layers take the reference path."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window: int = 0,
+                 softcap: float | None = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.window, self.softcap = window, softcap
         # Views into the runner's cache, (num_blocks, block_size, num_kv_heads, head_dim) each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -74,37 +88,56 @@ class Attention(nn.Module):
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
         meta = get_forward_context()
         if meta is None or self.k_cache is None:
-            return _sdpa(q, k, v, self.scale, causal=True)
+            return self._dense(q, k, v)
         if k.dtype != self.k_cache.dtype:  # attend to K/V exactly as stored, cached or fresh
             k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
         store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         if self.use_kernel is None:
-            self.use_kernel = kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
+            self.use_kernel = self.softcap is None and kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
         if meta.decode_idx is not None:
             qd = q if meta.all_decode else q[meta.decode_idx]              # (B, Hq, D)
             if self.use_kernel:  # reads the blocks in place
                 od = kernels.paged_decode_attention(qd, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                                    meta.decode_context_lens, self.scale)
+                                                    meta.decode_context_lens, self.scale, self.window)
             else:
+                mask = meta.decode_mask
+                if self.window:
+                    first = (meta.decode_context_lens - self.window)[:, None, None, None]
+                    mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= first)
                 od = decode_reference(qd, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                      meta.decode_mask, self.scale)
+                                      mask, self.scale, self.softcap)
             if meta.all_decode:
                 return od
             out[meta.decode_idx] = od
         for seg in meta.prefills:
             qs = q[seg.q_start:seg.q_end]
             if self.use_kernel:  # reads the context's blocks in place
-                out[seg.q_start:seg.q_end] = kernels.paged_context_attention(qs, self.k_cache, self.v_cache,
-                                                                             seg.block_table, seg.start, self.scale)
+                out[seg.q_start:seg.q_end] = kernels.paged_context_attention(
+                    qs, self.k_cache, self.v_cache, seg.block_table, seg.start, self.scale, self.window)
             elif seg.start == 0:
-                out[seg.q_start:seg.q_end] = _sdpa(qs, k[seg.q_start:seg.q_end].to(q.dtype),
-                                                   v[seg.q_start:seg.q_end].to(q.dtype), self.scale, causal=True)
+                out[seg.q_start:seg.q_end] = self._dense(qs, k[seg.q_start:seg.q_end].to(q.dtype),
+                                                         v[seg.q_start:seg.q_end].to(q.dtype))
             else:
                 kc = gather_blocks(self.k_cache, seg.block_table[None]).to(q.dtype)
                 vc = gather_blocks(self.v_cache, seg.block_table[None]).to(q.dtype)
-                out[seg.q_start:seg.q_end] = _sdpa_batched(qs[None], kc, vc, self.scale, seg.mask[None, None])[0]
+                mask = seg.mask
+                if self.window:
+                    q_pos = torch.arange(seg.start, seg.start + qs.shape[0], device=mask.device)
+                    mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] > q_pos[:, None] - self.window)
+                out[seg.q_start:seg.q_end] = _attend(qs[None], kc, vc, self.scale, mask[None, None], self.softcap)[0]
         return out
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of q (T, Hq, D) over k/v (T, Hkv, D) of the same tokens, with the
+        layer's window and soft-capping."""
+        if not self.window and self.softcap is None:
+            return _sdpa(q, k, v, self.scale, causal=True)
+        i = torch.arange(q.shape[0], device=q.device)
+        mask = i[None, :] <= i[:, None]
+        if self.window:
+            mask &= i[None, :] > i[:, None] - self.window
+        return _attend(q[None], k[None], v[None], self.scale, mask[None, None], self.softcap)[0]
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,11 +148,13 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+                     mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
     """Gather-then-SDPA decode: copies every context into a padded (B, L, Hkv, D) batch first.
     The path for caches the kernel does not take (CUDA, bfloat16) and its reference in tests."""
     kd = gather_blocks(k_cache, block_tables).to(q.dtype)  # (B, L, Hkv, D)
     vd = gather_blocks(v_cache, block_tables).to(q.dtype)
+    if softcap is not None:
+        return _attend(q[:, None], kd, vd, scale, mask, softcap)[:, 0]
     return _sdpa_decode(q, kd, vd, scale, mask)
 
 
@@ -150,9 +185,18 @@ def _sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     return o.reshape(b, hq, d)
 
 
-def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  mask: torch.Tensor) -> torch.Tensor:
-    # q: (B, Tq, Hq, D), k/v: (B, L, Hkv, D), mask broadcastable to (B, 1, Tq, L) -> (B, Tq, Hq, D)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return o.transpose(1, 2)
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+            softcap: float | None = None) -> torch.Tensor:
+    """q: (B, Tq, Hq, D), k/v: (B, L, Hkv, D), mask (True = may attend) broadcastable to
+    (B, 1, Tq, L) -> (B, Tq, Hq, D). SDPA, or written out when scores are soft-capped."""
+    if softcap is None:
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           attn_mask=mask, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+        return o.transpose(1, 2)
+    group = q.shape[2] // k.shape[2]
+    kt = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, Hq, L, D)
+    vt = v.transpose(1, 2).repeat_interleave(group, dim=1)
+    s = torch.matmul(q.transpose(1, 2), kt.transpose(2, 3)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(p, vt).transpose(1, 2)

@@ -14,9 +14,13 @@ class RMSNorm(nn.Module):
         self.offset = offset  # Gemma stores w and multiplies by (1 + w)
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
+    def factor(self) -> torch.Tensor:
+        """What the normalised input is multiplied by: w, or Gemma's 1 + w."""
+        return self.weight + self.offset if self.offset else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if kernels.usable_for(x):
-            return kernels.rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
+            return kernels.rms_norm(x, self.factor(), self.eps)
         if self.offset:
             y = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
             return (y * (self.offset + self.weight.float())).to(x.dtype)

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.layers import rotary
+
 # HF `architectures[0]` / GGUF `general.architecture` -> our family name
 SUPPORTED = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-    "GemmaForCausalLM": "gemma",
-    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "gemma": "gemma",
+    "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+    "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
 }
-# The rotary table is precomputed for every position the model declares, so a corrupt file's
-# context length would be an allocation of its own; no model tokenmill loads declares more.
+GEMMAS = ("gemma", "gemma2", "gemma3")
+# The rotary angles are computed per step, but the declared context still sizes what the engine
+# admits; no model tokenmill loads declares more than this (a larger value is a corrupt file).
 MAX_POSITIONS = 1 << 20
 
 
@@ -35,7 +40,14 @@ class ArchConfig:
     hidden_act: str = "silu"
     norm_offset: float = 0.0          # Gemma: x * (1 + w)
     embed_scale: bool = False         # Gemma: embeddings * sqrt(hidden_size)
-    sliding_window: int | None = None
+    rotary_dim: int = 0               # dimensions of a head that rotate (0: all; Phi-4-mini: 3/4)
+    qk_norm: bool = False             # Qwen3, Gemma 3: RMSNorm of each q and k head before the rotary
+    sandwich_norms: bool = False      # Gemma 2/3: norms after attention and MLP too (four per layer)
+    attn_scale: float | None = None   # None: head_dim ** -0.5 (Gemma 2/3: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None   # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = global; () = all global
+    local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling there)
 
     def __post_init__(self) -> None:
         """Sizes a model file declares are checked before anything is allocated for them."""
@@ -50,6 +62,40 @@ class ArchConfig:
         if self.max_position_embeddings > MAX_POSITIONS:
             raise ValueError(f"the model declares a context of {self.max_position_embeddings} positions; tokenmill "
                              f"loads models of up to {MAX_POSITIONS} (a larger value is usually a corrupt file).")
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"the model's rotary dimension {self.rotary_dim} does not fit its head size {self.head_dim}.")
+        if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
+            raise ValueError(f"the model declares sliding windows {self.layer_windows!r:.80} for {self.num_layers} layers.")
+        rotary.scaling_kind(self.rope_scaling)  # an unknown scaling is refused at load, not at the first step
+
+    @property
+    def rope_dim(self) -> int:
+        return self.rotary_dim or self.head_dim
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window in tokens, 0 when it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window every layer shares, when every layer slides (Mistral); None otherwise. Only
+        then can a sequence's blocks before the window be given back."""
+        w = set(self.layer_windows)
+        return w.pop() if len(w) == 1 and 0 not in w and self.layer_windows else None
+
+    @property
+    def context_length(self) -> int:
+        """Positions the model serves: its declared context, extended by a RoPE scaling that
+        stretches it (as vLLM derives it: linear and dynamic multiply the declared length, YaRN the
+        original one; LongRoPE and Llama 3 models declare the extended length already)."""
+        s = self.rope_scaling or {}
+        kind, factor = rotary.scaling_kind(s), float(s.get("factor") or 1.0)
+        if kind in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * factor)
+        if kind == "yarn":
+            return max(self.max_position_embeddings,
+                       int(s.get("original_max_position_embeddings", self.max_position_embeddings) * factor))
+        return self.max_position_embeddings
 
     @staticmethod
     def family_of(name: str) -> str:
@@ -64,30 +110,46 @@ class ArchConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         family = cls.family_of(archs[0])
         try:
-            heads = cfg["num_attention_heads"]
-            rope = cfg.get("rope_parameters") or {}
-            scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+            heads, layers = cfg["num_attention_heads"], cfg["num_hidden_layers"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            rope, local_rope = _hf_rope(cfg, family)
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+                scaling = None
+            elif "original_max_position_embeddings" not in scaling and cfg.get("original_max_position_embeddings"):
+                scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+            partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+            gemma = family in GEMMAS
+            query_scalar = cfg.get("query_pre_attn_scalar") if family in ("gemma2", "gemma3") else None
             return cls(
                 family=family, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
-                intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
-                num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                intermediate_size=cfg["intermediate_size"], num_layers=layers,
+                num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 rope_scaling=scaling,
-                tie_word_embeddings=cfg.get("tie_word_embeddings", family == "gemma"),
-                qkv_bias=family == "qwen2" or cfg.get("attention_bias", False),
+                tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
+                qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
                 hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
-                norm_offset=1.0 if family == "gemma" else 0.0,
-                embed_scale=family == "gemma",
-                sliding_window=cfg.get("sliding_window") if family == "llama" else None,
+                norm_offset=1.0 if gemma else 0.0, embed_scale=gemma,
+                rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+                qk_norm=family in ("qwen3", "gemma3"), sandwich_norms=family in ("gemma2", "gemma3"),
+                attn_scale=float(query_scalar) ** -0.5 if query_scalar else None,
+                attn_softcap=cfg.get("attn_logit_softcapping") if family == "gemma2" else None,
+                final_softcap=cfg.get("final_logit_softcapping") if family == "gemma2" else None,
+                layer_windows=_hf_windows(cfg, family, layers),
+                local_rope_theta=float(local_rope["rope_theta"]) if local_rope else None,
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks required field {e.args[0]!r}.") from None
 
     @classmethod
     def from_gguf(cls, meta: dict, vocab_size: int, has_output: bool) -> "ArchConfig":
+        """llama.cpp's metadata. What GGUF does not record is llama.cpp's own per-architecture rule,
+        taken the same way here: Gemma 2 slides on every other layer and Gemma 3 on five of six,
+        Gemma 3's local layers rotate with base 10000, the attention scale is head_dim ** -0.5
+        unless `attention.scale` says otherwise, and Gemma's norm weights already hold the +1."""
         arch = meta.get("general.architecture", "?")
         family = cls.family_of(arch)
 
@@ -99,20 +161,86 @@ class ArchConfig:
 
         heads = int(get("attention.head_count"))
         hidden = int(get("embedding_length"))
-        head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
-                       or hidden // heads)
+        layers = int(get("block_count"))
+        head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+        rope_dim = int(meta.get(f"{arch}.rope.dimension_count") or head_dim)
         scaling = None
-        if meta.get(f"{arch}.rope.scaling.type") == "linear":
-            scaling = {"rope_type": "linear", "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+        kind = meta.get(f"{arch}.rope.scaling.type")
+        if kind in ("linear", "yarn"):
+            scaling = {"rope_type": kind, "factor": float(meta[f"{arch}.rope.scaling.factor"])}
+            if meta.get(f"{arch}.rope.scaling.original_context_length"):
+                scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
+        elif kind not in (None, "none"):
+            raise ValueError(f"GGUF rope scaling {kind!r} is not supported for {arch}.")
+        window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+        if not window:
+            windows: tuple[int, ...] = ()
+        elif family == "gemma2":
+            windows = tuple(window if i % 2 == 0 else 0 for i in range(layers))
+        elif family == "gemma3":
+            windows = tuple(window if (i + 1) % 6 else 0 for i in range(layers))
+        else:
+            windows = (window,) * layers
+        scale = meta.get(f"{arch}.attention.scale")
+        gemma = family in GEMMAS
         return cls(
             family=family, vocab_size=vocab_size, hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")), num_layers=int(get("block_count")),
+            intermediate_size=int(get("feed_forward_length")), num_layers=layers,
             num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(get("context_length")), rope_scaling=scaling,
             tie_word_embeddings=not has_output, qkv_bias=family == "qwen2",
-            hidden_act="gelu_pytorch_tanh" if family == "gemma" else "silu",
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             # llama.cpp's converter already folds Gemma's +1 into the stored norm weights
-            norm_offset=0.0, embed_scale=family == "gemma",
+            norm_offset=0.0, embed_scale=gemma,
+            rotary_dim=rope_dim if rope_dim != head_dim else 0,
+            qk_norm=family in ("qwen3", "gemma3"), sandwich_norms=family in ("gemma2", "gemma3"),
+            attn_scale=float(scale) if scale else None,
+            attn_softcap=float(meta[f"{arch}.attn_logit_softcapping"]) if meta.get(f"{arch}.attn_logit_softcapping") else None,
+            final_softcap=float(meta[f"{arch}.final_logit_softcapping"]) if meta.get(f"{arch}.final_logit_softcapping") else None,
+            layer_windows=windows,
+            local_rope_theta=10000.0 if family == "gemma3" else None,
         )
+
+def _hf_rope(cfg: dict, family: str) -> tuple[dict, dict | None]:
+    """(the global layers' rotary parameters, the local layers' when they differ): from
+    `rope_parameters` (transformers 5; per layer type for Gemma 3) or the older `rope_theta` /
+    `rope_scaling` / `rope_local_base_freq` fields."""
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention")
+        return full, (local if local and local != full else None)
+    rope = {**(cfg.get("rope_scaling") or {}), **params}
+    if "rope_theta" in cfg and "rope_theta" not in rope:
+        rope["rope_theta"] = cfg["rope_theta"]
+    local = None
+    if family == "gemma3":
+        local = {"rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+    return rope, local
+
+
+def _hf_windows(cfg: dict, family: str, layers: int) -> tuple[int, ...]:
+    """Per-layer sliding windows from `layer_types` (transformers 5) or each family's older rule."""
+    window = cfg.get("sliding_window") or 0
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = 0
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != layers:
+            raise ValueError(f"config.json lists {len(types)} layer_types for {layers} layers.")
+        sliding = [t == "sliding_attention" for t in types]
+    elif family == "gemma2":
+        sliding = [i % 2 == 0 for i in range(layers)]
+    elif family == "gemma3":
+        pattern = cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif family in ("qwen2", "qwen3"):
+        sliding = [i >= cfg.get("max_window_layers", 0) for i in range(layers)]
+    else:  # Mistral, Phi-3: every layer
+        sliding = [True] * layers
+    windows = tuple(int(window) if s else 0 for s in sliding)
+    return windows if any(windows) else ()

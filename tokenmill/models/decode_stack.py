@@ -16,7 +16,6 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear
-from tokenmill.layers.norm import RMSNorm
 from tokenmill.models.llama import CausalLM
 from tokenmill.quant import int4, int8
 
@@ -40,9 +39,12 @@ def build(model: CausalLM) -> object | None:
     stack = torch.classes.tokenmill.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                                 cfg.rms_norm_eps, _ACTS[cfg.hidden_act], model.attention_layers()[0].scale)
     for layer in model.model.layers:
-        attn = layer.self_attn.attn
-        stack.add_layer(_norm_factor(layer.input_layernorm), _norm_factor(layer.post_attention_layernorm),
-                        attn.k_cache, attn.v_cache)
+        sa = layer.self_attn
+        qk = (sa.q_norm.factor(), sa.k_norm.factor()) if sa.qk_norm else (None, None)
+        outs = (layer.post_attention_layernorm.factor(), layer.post_feedforward_layernorm.factor()) \
+            if layer.sandwich else (None, None)
+        stack.add_layer(layer.input_layernorm.factor(), layer.mlp_norm.factor(), sa.attn.k_cache, sa.attn.v_cache,
+                        sa.window, sa.rope_index, *qk, *outs)
         for proj in _projections(layer):
             stack.add_projection(*_projection_args(proj))
     return stack
@@ -50,10 +52,6 @@ def build(model: CausalLM) -> object | None:
 
 def _projections(layer) -> list[Linear]:
     return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-
-
-def _norm_factor(norm: RMSNorm) -> torch.Tensor:
-    return norm.weight.data if not norm.offset else norm.weight.data + norm.offset
 
 
 def _projection_args(proj: Linear) -> tuple:
@@ -77,6 +75,8 @@ def _unsupported(model: CausalLM) -> str | None:
         return "the CPU kernels are not built"
     if model.cfg.hidden_act not in _ACTS:
         return f"activation {model.cfg.hidden_act!r}"
+    if model.cfg.attn_softcap is not None:
+        return "attention-score soft-capping (Gemma 2) is not in the attention kernels"
     embed = model.model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype != torch.float32:
         return f"the model runs in {embed.dtype} on {embed.device.type} (the stack takes float32 on CPU)"

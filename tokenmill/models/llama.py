@@ -1,5 +1,7 @@
-"""One decoder for the Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2), Qwen2 (QKV bias)
-and Gemma (norm offset, embedding scale, GeLU). Fused QKV and gate/up projections.
+"""One decoder for the Llama family (Llama 2/3, Mistral, TinyLlama, SmolLM2), Qwen2 (QKV bias),
+Qwen3 (q/k norms), Gemma (norm offset, embedding scale, GeLU), Gemma 2 and 3 (sandwich norms,
+soft-capping, sliding-window layers, a local rotary) and Phi-3 (partial rotary, LongRoPE): the
+differences are flags of ArchConfig. Fused QKV and gate/up projections.
 
 Input is a flat ragged batch: `input_ids` and `positions` of shape (T,), all requests' tokens
 back to back, no padding; attention finds the request boundaries in the ForwardContext.
@@ -27,23 +29,48 @@ HEAD_INT8_MAX_ROWS = 64
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
+Ropes = tuple  # (cos, sin) of the global rotary, then of the local one where the model has one
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                     bias=cfg.qkv_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim))
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
+        self.window = cfg.window(layer)
+        # Gemma 3's sliding layers rotate with their own base: the second of the step's ropes
+        self.rope_index = 1 if self.window and cfg.local_rope_theta is not None else 0
+        scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(cfg.head_dim)
+        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale, self.window, cfg.attn_softcap)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)  # (T, Hq+Hkv, D)
+    def forward(self, ropes: Ropes, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)     # (T, Hq+Hkv, D)
+        if self.qk_norm:
+            qk = self._norm_heads(qk)
+        qk = apply_rotary(qk, *ropes[self.rope_index])
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)    # (T, Hkv, D)
         o = self.attn(q, k, v)                              # (T, Hq, D)
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """Per-head RMSNorm of q and k (in place in the projection's output on the CPU kernels, the
+        same arithmetic as the decode stack's)."""
+        if kernels.usable_for(qk):
+            kernels.head_rms_norm_(qk[:, :self.num_heads], self.q_norm.factor(), self.q_norm.eps)
+            kernels.head_rms_norm_(qk[:, self.num_heads:], self.k_norm.factor(), self.k_norm.eps)
+            return qk
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
 
 
 class MLP(nn.Module):
@@ -65,16 +92,33 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    """Pre-norm residual block. Llama names its MLP's input norm `post_attention_layernorm`;
+    Gemma 2/3 ("sandwich" norms) use that name for the norm of the attention output, and add
+    `pre_feedforward_layernorm` and `post_feedforward_layernorm` around the MLP."""
+
+    def __init__(self, cfg: ArchConfig, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.self_attn = SelfAttention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = SelfAttention(cfg, layer)
+        self.post_attention_layernorm = norm()
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    @property
+    def mlp_norm(self) -> RMSNorm:
+        """The norm whose output feeds the MLP."""
+        return self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+
+    def forward(self, ropes: Ropes, h: torch.Tensor) -> torch.Tensor:
+        if not self.sandwich:
+            h = h + self.self_attn(ropes, self.input_layernorm(h))
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.post_attention_layernorm(self.self_attn(ropes, self.input_layernorm(h)))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class CausalLM(nn.Module):
@@ -84,41 +128,54 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.embed_tokens.weight.requires_grad_(False)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = None if cfg.local_rope_theta is None else \
+            RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.tied_head_q: int8.Int8Weight | None = None  # int8 copy of a tied embedding for the output
         self.quantized_sources: set[str] = set()         # parameters stored quantized in the checkpoint
         self.decode_stack = None  # all layers as one native call for decode steps (models/decode_stack.py)
+
+    def ropes(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None) -> Ropes:
+        """cos/sin of every rotary the layers use, for the step's positions (see layers/rotary.py
+        for `seq_lens`)."""
+        ropes = self.rotary.lookup(positions, seq_lens)
+        return (ropes,) if self.rotary_local is None else (ropes, self.rotary_local.lookup(positions))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
         h = self.model.embed_tokens(input_ids)
         if self.cfg.embed_scale:
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
-        rope = self.rotary.lookup(positions)
         meta = get_forward_context()
+        seq_lens = None
+        if self.rotary.length_dependent and meta is not None:
+            seq_lens = meta.sequence_lengths(positions)
+        ropes = self.ropes(positions, seq_lens)
         if self.decode_stack is not None and meta is not None and meta.all_decode:
-            cos, sin = (t.view(t.shape[0], -1) for t in rope)
-            h = self.decode_stack.forward(h, cos, sin, meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_context_lens)
+            flat = [t.view(t.shape[0], -1) for rope in ropes for t in rope]
+            h = self.decode_stack.forward(h, flat[0], flat[1], meta.slot_mapping, meta.decode_block_tables,
+                                          meta.decode_context_lens, *(flat[2:] or (None, None)))
         else:
             for layer in self.model.layers:
-                h = layer(rope, h)
+                h = layer(ropes, h)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        if self.tied_head_q is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
-            return int8.matmul(hidden, self.tied_head_q).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.lm_head(hidden).float()
+        elif self.tied_head_q is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
+            logits = int8.matmul(hidden, self.tied_head_q).float()
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        cap = self.cfg.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def quantize(self, policy: str, group_size: int, keep_float: bool = False, activation_bits: int = 16) -> None:
         """Swap float weights for int4/int8 ones (see `Linear.quantize`). The output projection
@@ -171,6 +228,15 @@ _FUSED = {
 }
 
 
+def _rows_of(extra: dict, start: int, size: int) -> dict:
+    """A fused tensor's extras (quantized parts, one row per output) restricted to rows [start, start + size)."""
+    out = dict(extra)
+    for key in ("int4_parts", "int8_parts"):
+        if out.get(key) is not None:
+            out[key] = tuple(p[start:start + size] for p in out[key])
+    return out
+
+
 def load_weights(model: CausalLM, weights) -> None:
     """Copy `(hf_name, tensor)` pairs into the model; every parameter must be filled exactly once."""
     params = dict(model.named_parameters())
@@ -196,8 +262,19 @@ def load_weights(model: CausalLM, weights) -> None:
         param = params[target]
         if name.endswith("bias"):
             extra = {}
-        loader = getattr(modules[".".join(parts[:-1])], "weight_loader", None)
+        module = modules[".".join(parts[:-1])]
+        loader = getattr(module, "weight_loader", None)
         tensor = tensor.to(param.dtype)
+        shards = getattr(module, "shard_offsets", None)
+        if shard is None and shards and loader is not None:
+            # fused in the checkpoint too (Phi-3's qkv_proj, gate_up_proj): split by our shards' rows
+            if tensor.shape[0] != sum(size for _, size in shards.values()):
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model "
+                                 f"{tuple(param.shape)}")
+            for sh, (start, size) in shards.items():
+                loader(param, tensor[start:start + size], sh, **_rows_of(extra, start, size))
+                filled.add(f"{target}:{sh}")
+            continue
         if loader is not None:
             loader(param, tensor, shard, **extra)
         elif param.shape != tensor.shape:

@@ -109,7 +109,10 @@ def check_declared_sizes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], s
     per_layer = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
                  "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
                  "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
-                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+                 "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * ff, h),
+                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+                 "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
     top = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,),
            "lm_head.weight": (arch.vocab_size, h)}
     layers = set()
@@ -134,8 +137,6 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
             model = CausalLM(arch)
     finally:
         torch.set_default_dtype(prev)
-    model.rotary.cos = model.rotary.cos.float()  # angles stay float32 whatever the weights' dtype
-    model.rotary.sin = model.rotary.sin.float()
     load_weights(model, weights)
     return model.eval()
 
