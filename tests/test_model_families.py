@@ -186,3 +186,32 @@ def test_family_quantized_on_the_kernels(family, quantization):
     assert counting.calls >= 11
     model.decode_stack = None
     assert generate(llm) == native
+
+
+def _dense_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
+
+
+def test_family_gguf_matches_hf_directory(family, tmp_path):
+    """The same tiny model written as GGUF (llama.cpp's layout and metadata, by the `gguf` package)
+    loads to the same logits as its Hugging Face directory; as Q4_0 its 4-bit blocks load straight
+    into the int4 kernels (fused Phi-3 tensors split by rows) and compute what their dequantized
+    floats do."""
+    from gguf_write import hf_to_gguf
+
+    kind, path = family
+    if kind == "llama-dynamic":
+        pytest.skip("GGUF has no dynamic-NTK rope type (llama.cpp's are none, linear, yarn, longrope)")
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    hf = loader.load(path, "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
+    f32 = loader.load(hf_to_gguf(path, str(tmp_path / "f32.gguf")), "float32", torch.device("cpu"),
+                      load_tokenizer=False)
+    assert f32.arch.layer_windows == hf.arch.layer_windows and f32.arch.rope_dim == hf.arch.rope_dim
+    assert (_dense_logits(f32.model, ids) - _dense_logits(hf.model, ids)).abs().max() < TOL
+    q4 = hf_to_gguf(path, str(tmp_path / "q4.gguf"), "Q4_0")
+    exact = loader.load(q4, "float32", torch.device("cpu"), load_tokenizer=False, activation_bits=16)
+    assert exact.model.model.layers[0].self_attn.qkv_proj.qweight is not None
+    floats = loader.load(q4, "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
+    ref = _dense_logits(floats.model, ids)
+    assert (_dense_logits(exact.model, ids) - ref).abs().max() < 1e-3 * ref.abs().max()

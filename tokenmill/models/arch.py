@@ -145,10 +145,12 @@ class ArchConfig:
             raise ValueError(f"config.json lacks required field {e.args[0]!r}.") from None
 
     @classmethod
-    def from_gguf(cls, meta: dict, vocab_size: int, has_output: bool) -> "ArchConfig":
+    def from_gguf(cls, meta: dict, vocab_size: int, has_output: bool,
+                  rope_factors: tuple[list[float], list[float]] | None = None) -> "ArchConfig":
         """llama.cpp's metadata. What GGUF does not record is llama.cpp's own per-architecture rule,
         taken the same way here: Gemma 2 slides on every other layer and Gemma 3 on five of six,
-        Gemma 3's local layers rotate with base 10000, the attention scale is head_dim ** -0.5
+        Gemma 3's local layers rotate with base 10000 (unless `rope.freq_base_swa` is there,
+        and the pattern can be given as `attention.sliding_window_pattern`), the attention scale is head_dim ** -0.5
         unless `attention.scale` says otherwise, and Gemma's norm weights already hold the +1."""
         arch = meta.get("general.architecture", "?")
         family = cls.family_of(arch)
@@ -172,15 +174,20 @@ class ArchConfig:
                 scaling["original_max_position_embeddings"] = int(meta[f"{arch}.rope.scaling.original_context_length"])
         elif kind not in (None, "none"):
             raise ValueError(f"GGUF rope scaling {kind!r} is not supported for {arch}.")
+        if rope_factors is not None:  # Phi-3: LongRoPE, its factors stored as tensors
+            scaling = {"rope_type": "longrope", "short_factor": rope_factors[0], "long_factor": rope_factors[1],
+                       "original_max_position_embeddings": int(get("rope.scaling.original_context_length"))}
+            if meta.get(f"{arch}.rope.scaling.attn_factor"):
+                scaling["attention_factor"] = float(meta[f"{arch}.rope.scaling.attn_factor"])
         window = int(meta.get(f"{arch}.attention.sliding_window") or 0)
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
         if not window:
             windows: tuple[int, ...] = ()
-        elif family == "gemma2":
-            windows = tuple(window if i % 2 == 0 else 0 for i in range(layers))
-        elif family == "gemma3":
-            windows = tuple(window if (i + 1) % 6 else 0 for i in range(layers))
-        else:
-            windows = (window,) * layers
+        elif isinstance(pattern, (list, tuple)):  # per layer: True = sliding
+            windows = tuple(window if p else 0 for p in pattern)
+        else:  # every n-th layer global (llama.cpp's defaults: Gemma 2 every 2nd, Gemma 3 every 6th)
+            n = int(pattern) if pattern else {"gemma2": 2, "gemma3": 6}.get(family, 0)
+            windows = tuple(window if not n or (i + 1) % n else 0 for i in range(layers))
         scale = meta.get(f"{arch}.attention.scale")
         gemma = family in GEMMAS
         return cls(
@@ -200,7 +207,7 @@ class ArchConfig:
             attn_softcap=float(meta[f"{arch}.attn_logit_softcapping"]) if meta.get(f"{arch}.attn_logit_softcapping") else None,
             final_softcap=float(meta[f"{arch}.final_logit_softcapping"]) if meta.get(f"{arch}.final_logit_softcapping") else None,
             layer_windows=windows,
-            local_rope_theta=10000.0 if family == "gemma3" else None,
+            local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if family == "gemma3" else None,
         )
 
 def _hf_rope(cfg: dict, family: str) -> tuple[dict, dict | None]:

@@ -21,9 +21,14 @@ SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma 2/3 name their four norms differently (llama.cpp's ffn_norm is the MLP's input norm in both)
+_SANDWICH_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                   "post_ffw_norm": "post_feedforward_layernorm"}
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # Phi-3's LongRoPE
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -53,6 +58,11 @@ class GGUFFile:
             except Exception:  # noqa: BLE001 - an unreadable optional field is skipped, not fatal
                 continue
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.layer_names = dict(_LAYER_NAMES)
+        if self.architecture in ("gemma2", "gemma3"):
+            self.layer_names.update(_SANDWICH_NAMES)
+        if self.architecture == "phi3" and not any(n.endswith("ffn_gate.weight") for n in self.tensors):
+            self.layer_names["ffn_up"] = "mlp.gate_up_proj"  # gate and up fused, gate first
         bad = sorted({t.tensor_type.name for t in self.reader.tensors} - SUPPORTED_TYPES)
         if bad:
             raise ValueError(f"{path} uses GGUF tensor types {bad}, which tokenmill cannot load; "
@@ -62,7 +72,7 @@ class GGUFFile:
         """Each tensor's Hugging Face name and logical shape (rows, cols), read from the header
         alone: what the metadata's sizes are checked against before anything is allocated."""
         return {hf: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()
-                if (hf := _hf_name(name)) is not None}
+                if (hf := self._hf_name(name)) is not None}
 
     @property
     def architecture(self) -> str:
@@ -77,7 +87,7 @@ class GGUFFile:
         (q, scale, min) groups, so the weight can stay 4-bit without re-quantizing."""
         permute = self.architecture in ("llama", "mistral")
         for name, t in self.tensors.items():
-            hf = _hf_name(name)
+            hf = self._hf_name(name)
             if hf is None:
                 continue
             kind = t.tensor_type.name
@@ -92,6 +102,22 @@ class GGUFFile:
                     parts = tuple(_unpermute(p, heads) for p in parts)
             yield hf, w, {"quantized": kind not in ("F32", "F16", "BF16"), "int4_parts": parts}
 
+    def rope_factors(self) -> tuple[list[float], list[float]] | None:
+        """(short, long) LongRoPE factors, which llama.cpp stores as tensors, or None."""
+        if not all(n in self.tensors for n in _ROPE_FACTORS):
+            return None
+        return tuple(self._dequantize(self.tensors[n]).reshape(-1).tolist() for n in _ROPE_FACTORS)
+
+    def _hf_name(self, name: str) -> str | None:
+        m = _BLK.match(name)
+        if m:
+            layer, part, kind = m.groups()
+            if part not in self.layer_names:
+                return None
+            return f"model.layers.{layer}.{self.layer_names[part]}.{kind}"
+        base, _, kind = name.rpartition(".")
+        return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
+
     def _dequantize(self, t) -> np.ndarray:
         import gguf
 
@@ -102,17 +128,6 @@ class GGUFFile:
         except Exception as e:
             raise ValueError(f"tensor {t.name} in {self.path} could not be read ({type(e).__name__}: {e}); "
                              "the file is corrupt or truncated.") from None
-
-
-def _hf_name(name: str) -> str | None:
-    m = _BLK.match(name)
-    if m:
-        layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
-            return None
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    base, _, kind = name.rpartition(".")
-    return f"{_TOP_NAMES[base]}.{kind}" if base in _TOP_NAMES else None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -196,7 +196,8 @@ def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
 
 def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool) -> LoadedModel:
     g = GGUFFile(path)
-    arch = ArchConfig.from_gguf(g.meta, g.vocab_size(), has_output="output.weight" in g.tensors)
+    arch = ArchConfig.from_gguf(g.meta, g.vocab_size(), has_output="output.weight" in g.tensors,
+                                rope_factors=g.rope_factors())
     if "token_embd.weight" not in g.tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor; the file is incomplete.")
     check_declared_sizes(arch, g.hf_shapes(), path)
