@@ -206,3 +206,25 @@ def test_a_cache_salt_is_a_namespace_of_its_own():
     assert bm.find_cached_prefix(salted(5, None)) == plain.block_table[:2]
     assert bm.find_cached_prefix(salted(6, "tenant-b")) == []
     bm.check_integrity([a, plain])
+
+
+def test_blocks_before_a_sliding_window_are_given_back():
+    from tokenmill.core.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=8, block_size=4)
+    r = Request("r", list(range(22)), SamplingParams(), set())
+    assert bm.allocate(r, 22)
+    r.num_computed_tokens = 21
+    bm.cache_full_blocks(r)
+    bm.release_before_window(r, window=6)   # next query at 21 sees 16..21: blocks 0-3 are behind it
+    assert r.released_blocks == 4 and r.block_table[4:] and bm.num_free_blocks == 8 - 2
+    bm.check_integrity([r])
+    keyed = r.block_table[0]
+    assert bm.block_key[keyed] is not None and keyed in bm.free_blocks  # still a prefix-cache hit
+    again = Request("s", list(range(22)), SamplingParams(), set())
+    assert bm.find_cached_prefix(again)[:1] == [keyed]
+    bm.release_before_window(r, window=6)   # idempotent
+    assert r.released_blocks == 4
+    bm.free(r)
+    assert r.released_blocks == 0 and bm.num_free_blocks == 8
+    bm.check_integrity([])

@@ -215,3 +215,36 @@ def test_family_gguf_matches_hf_directory(family, tmp_path):
     floats = loader.load(q4, "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
     ref = _dense_logits(floats.model, ids)
     assert (_dense_logits(exact.model, ids) - ref).abs().max() < 1e-3 * ref.abs().max()
+
+
+def test_sliding_window_kv_stays_bounded_and_outputs_match(tmp_path):
+    """One long conversation on a model whose every layer slides (Mistral): the blocks it holds stay
+    about window / block_size however long it runs, blocks before the window go back to the pool
+    (full ones keep their prefix-cache key), and greedy tokens equal transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenmill import LLM, SamplingParams
+
+    path = make_family("mistral-window", str(tmp_path / "m"))  # window 7
+    llm = LLM(path, block_size=4, kv_cache_memory="4MiB", skip_tokenizer_init=True, quantization="none")
+    engine = llm.engine
+    assert engine.scheduler.config.sliding_window == 7
+    prompt = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(6)).tolist()
+    engine.add_request("long", prompt, SamplingParams(max_tokens=120, temperature=0,
+                                                                             ignore_eos=True))
+    req, held, released, out = engine.scheduler.requests["long"], [], 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        if "long" in engine.scheduler.requests:
+            held.append(len(req.block_table) - req.released_blocks)
+            released = req.released_blocks
+            engine.block_manager.check_integrity([req])
+    # the window's 7 positions span at most 3 blocks of 4, plus the block being filled
+    assert max(held[3:]) <= 4, held
+    assert released >= (30 + 120 - 7) // 4 - 2
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref.generation_config.eos_token_id = None  # ignore_eos, as the request asked
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=120, do_sample=False)[0, 30:].tolist()
+    assert out.outputs[0].token_ids == want

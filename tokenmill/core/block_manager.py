@@ -116,7 +116,7 @@ class BlockManager:
 
     def share(self, src: Request, dst: Request, num_blocks: int) -> None:
         """Let `dst` point at the first `num_blocks` blocks of `src` (copy-free prefix sharing)."""
-        assert not dst.block_table
+        assert not dst.block_table and not src.released_blocks
         for block in src.block_table[:num_blocks]:
             self.ref_counts[block] += 1
             dst.block_table.append(block)
@@ -154,19 +154,36 @@ class BlockManager:
             self.free_blocks[block] = None
             self.free_blocks.move_to_end(block, last=False)
 
+    def release_before_window(self, req: Request, window: int) -> None:
+        """Give back the blocks no future query of `req` can see when every layer attends to a
+        sliding `window` of positions: the next token (position num_computed_tokens) sees positions
+        from num_computed_tokens - window + 1 on, and later ones see less. So one conversation
+        holds about window / block_size blocks however long it runs. A released block that is full
+        keeps its prefix-cache key like any freed block: a later request with the same prefix can
+        take it back (its K/V are the same), and a request that recomputes after preemption
+        computes it again."""
+        keep_from = min(max(0, req.num_computed_tokens - window + 1) // self.block_size, len(req.block_table))
+        for j in range(req.released_blocks, keep_from):
+            self._unref(req.block_table[j])
+        req.released_blocks = max(req.released_blocks, keep_from)
+
+    def _unref(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        assert self.ref_counts[block] >= 0
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+            if self.block_key[block] is None:
+                self.free_blocks.move_to_end(block, last=False)
+
     def free(self, req: Request) -> None:
         """Drop `req`'s references. Unkeyed blocks go to the front of the free list (reused
         first), keyed ones to the back (kept longest); the tail of a sequence is freed first so
         that it is also evicted first."""
-        for block in reversed(req.block_table):
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
-                if self.block_key[block] is None:
-                    self.free_blocks.move_to_end(block, last=False)
+        for block in reversed(req.block_table[req.released_blocks:]):
+            self._unref(block)
         req.block_table = []
         req.block_hashes = []
+        req.released_blocks = 0
 
     # ---------------------------------------------------------------- invariants
     def check_integrity(self, live: list[Request]) -> None:
@@ -175,7 +192,7 @@ class BlockManager:
         operation."""
         held = [0] * self.num_blocks
         for req in live:
-            for block in req.block_table:
+            for block in req.block_table[req.released_blocks:]:
                 held[block] += 1
         for block in range(self.num_blocks):
             assert self.ref_counts[block] == held[block], \

@@ -33,6 +33,9 @@ class Request:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        # leading block_table entries given back because they lie before the sliding window of
+        # every layer: their ids stay in the table (positions keep their index) but are not held
+        self.released_blocks = 0
         self.block_hashes: list[int] = []  # prefix-cache key ids of the full blocks, in order
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None

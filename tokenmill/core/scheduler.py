@@ -37,6 +37,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     policy: str = "fcfs"  # or "priority"
+    sliding_window: int | None = None  # every layer's window: blocks before it are given back
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -227,6 +228,8 @@ class Scheduler:
             if not entry.sample:
                 req.num_computed_tokens += fed
                 bm.cache_full_blocks(req)
+                if self.config.sliding_window:
+                    bm.release_before_window(req, self.config.sliding_window)
                 continue
             tokens = result.sampled[entry.req_id]
             lps = result.logprobs.get(entry.req_id)
@@ -241,6 +244,8 @@ class Scheduler:
                     break
             req.num_computed_tokens = min(computed, req.num_tokens - 1)
             bm.cache_full_blocks(req)
+            if self.config.sliding_window:
+                bm.release_before_window(req, self.config.sliding_window)
             self._count(req, entry, len(tokens) - 1, added, now)
             advanced.append((req, added))
             if req.finish_reason is not None:

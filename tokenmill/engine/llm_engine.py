@@ -85,8 +85,11 @@ class LLMEngine:
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
                                                        spec.adaptive, draft_cost=draft_cost)
+        # a draft model reads the same block ids in its own cache and attends to everything: then
+        # no block is given back early
+        window = self.arch.sliding_window if draft is None else None
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
-                                                   sc.scheduling_policy), self.block_manager, policy)
+                                                   sc.scheduling_policy, window), self.block_manager, policy)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
