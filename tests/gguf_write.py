@@ -13,11 +13,17 @@ import torch
 
 ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
         "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3"}
+        "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3moe",
+        "Qwen2MoeForCausalLM": "qwen2moe", "MixtralForCausalLM": "llama", "OlmoeForCausalLM": "olmoe"}
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
-         "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.up_proj": "ffn_up", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+EXPERT = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+          "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 SANDWICH = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
             "post_feedforward_layernorm": "post_ffw_norm"}
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
@@ -74,27 +80,45 @@ def hf_to_gguf(hf_dir: str, out: str, qtype: str = "F32") -> str:
                      ("final_logit_softcapping", w.add_final_logit_softcapping)):
         if cfg.get(key):
             add(cfg[key])
+    if cfg.get("clip_qkv"):
+        w.add_clamp_kqv(cfg["clip_qkv"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
+        w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob", arch == "llama")))
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     tensors = {}
     for file in sorted(glob.glob(os.path.join(hf_dir, "*.safetensors"))):
-        tensors.update(load_file(file))
+        tensors.update({k.replace("block_sparse_moe", "mlp"): v for k, v in load_file(file).items()})
+    stacked: dict[str, dict[int, torch.Tensor]] = {}  # per-expert tensors -> one 3-D tensor per layer
+    for name in [n for n in tensors if ".experts." in n]:
+        parts = name.split(".")  # model.layers.L.mlp.experts.E.proj.weight
+        stacked.setdefault(f"blk.{parts[2]}.{EXPERT[parts[6]]}.weight", {})[int(parts[5])] = tensors.pop(name)
     if cfg.get("tie_word_embeddings", arch.startswith("gemma")):
         tensors.pop("lm_head.weight", None)
-    for name, t in tensors.items():
+    items = list(tensors.items()) + [(g, torch.stack([d[e] for e in sorted(d)])) for g, d in stacked.items()]
+    for name, t in items:
         t = t.float()
-        if name in TOP:
-            gname = TOP[name]
+        if name in TOP or name.startswith("blk."):
+            gname = TOP.get(name, name)
         else:
             parts = name.split(".")
             layer, module, kind_ = parts[2], ".".join(parts[3:-1]), parts[-1]
             table = {**LAYER, **(SANDWICH if sandwich else {"post_attention_layernorm": "ffn_norm"})}
             gname = f"blk.{layer}.{table[module]}.{kind_}"
+            if module == "mlp.shared_expert_gate":
+                t = t.reshape(-1)  # llama.cpp stores the (1, hidden) gate as a vector
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 t = _permute(t, heads if module == "self_attn.q_proj" else kv)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1  # llama.cpp stores Gemma's (1 + w)
         data = t.numpy().astype(np.float32)
         # embeddings and output stay float, as llama.cpp keeps them at a higher precision than the layers
-        if data.ndim == 2 and qtype != "F32" and data.shape[1] % 32 == 0 and name not in TOP:
+        if data.ndim >= 2 and qtype != "F32" and data.shape[-1] % 32 == 0 and name not in TOP \
+                and "ffn_gate_inp" not in gname:
             qt = getattr(gguf.GGMLQuantizationType, qtype)
             w.add_tensor(gname, gguf.quants.quantize(data, qt), raw_dtype=qt)
         else:

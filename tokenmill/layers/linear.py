@@ -36,6 +36,7 @@ class Linear(nn.Module):
         self._int8_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
         self._input_perms: dict[str | None, torch.Tensor | None] = {}
         self.quantized_source = False  # some shard was stored quantized in the checkpoint
+        self.keep_float = False  # never quantized: MoE routers (tiny, and they decide which experts run)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None,
                       int4_parts: tuple | None = None, int8_parts: tuple | None = None,

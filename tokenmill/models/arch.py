@@ -11,10 +11,13 @@ from tokenmill.layers import rotary
 SUPPORTED = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3", "GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3", "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe", "MixtralForCausalLM": "mixtral", "OlmoeForCausalLM": "olmoe",
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-    "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+    "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe",
+    "olmoe": "olmoe",
 }
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 GEMMAS = ("gemma", "gemma2", "gemma3")
 # The rotary angles are computed per step, but the declared context still sizes what the engine
 # admits; no model tokenmill loads declares more than this (a larger value is a corrupt file).
@@ -48,6 +51,14 @@ class ArchConfig:
     final_softcap: float | None = None  # Gemma 2: the same on the logits
     layer_windows: tuple[int, ...] = ()  # per layer: sliding window in tokens, 0 = global; () = all global
     local_rope_theta: float | None = None  # Gemma 3: the sliding layers' rotary base (no scaling there)
+    qk_norm_full: bool = False        # OLMoE: RMSNorm over the whole q and k projections
+    clip_qkv: float | None = None     # OLMoE: q, k, v clamped to [-clip, clip]
+    num_experts: int = 0              # mixture of experts (models/moe.py); 0: dense
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False      # renormalise the k routing weights to sum to 1
+    shared_expert_size: int = 0       # Qwen2-MoE: a sigmoid-gated shared expert of this width
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model
 
     def __post_init__(self) -> None:
         """Sizes a model file declares are checked before anything is allocated for them."""
@@ -67,6 +78,12 @@ class ArchConfig:
         if self.layer_windows and (len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0):
             raise ValueError(f"the model declares sliding windows {self.layer_windows!r:.80} for {self.num_layers} layers.")
         rotary.scaling_kind(self.rope_scaling)  # an unknown scaling is refused at load, not at the first step
+        if self.num_experts and not (0 < self.experts_per_tok <= self.num_experts and self.moe_intermediate_size > 0):
+            raise ValueError(f"the model declares {self.experts_per_tok} of {self.num_experts} experts per token "
+                             f"of width {self.moe_intermediate_size}.")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def rope_dim(self) -> int:
@@ -130,23 +147,26 @@ class ArchConfig:
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 rope_scaling=scaling,
                 tie_word_embeddings=cfg.get("tie_word_embeddings", gemma),
-                qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+                qkv_bias=family == "qwen2" or (family == "qwen2_moe" and cfg.get("qkv_bias", True))
+                or bool(cfg.get("attention_bias", False)),
                 hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act", "silu"),
                 norm_offset=1.0 if gemma else 0.0, embed_scale=gemma,
                 rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
-                qk_norm=family in ("qwen3", "gemma3"), sandwich_norms=family in ("gemma2", "gemma3"),
+                qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"), sandwich_norms=family in ("gemma2", "gemma3"),
                 attn_scale=float(query_scalar) ** -0.5 if query_scalar else None,
                 attn_softcap=cfg.get("attn_logit_softcapping") if family == "gemma2" else None,
                 final_softcap=cfg.get("final_logit_softcapping") if family == "gemma2" else None,
                 layer_windows=_hf_windows(cfg, family, layers),
                 local_rope_theta=float(local_rope["rope_theta"]) if local_rope else None,
+                **_hf_moe(cfg, family, layers),
             )
         except KeyError as e:
             raise ValueError(f"config.json lacks required field {e.args[0]!r}.") from None
 
     @classmethod
     def from_gguf(cls, meta: dict, vocab_size: int, has_output: bool,
-                  rope_factors: tuple[list[float], list[float]] | None = None) -> "ArchConfig":
+                  rope_factors: tuple[list[float], list[float]] | None = None,
+                  dense_layers: tuple[int, ...] = ()) -> "ArchConfig":
         """llama.cpp's metadata. What GGUF does not record is llama.cpp's own per-architecture rule,
         taken the same way here: Gemma 2 slides on every other layer and Gemma 3 on five of six,
         Gemma 3's local layers rotate with base 10000 (unless `rope.freq_base_swa` is there,
@@ -154,6 +174,9 @@ class ArchConfig:
         unless `attention.scale` says otherwise, and Gemma's norm weights already hold the +1."""
         arch = meta.get("general.architecture", "?")
         family = cls.family_of(arch)
+        experts = int(meta.get(f"{arch}.expert_count") or 0)
+        if family == "llama" and experts:
+            family = "mixtral"  # llama.cpp writes Mixtral as a llama with experts
 
         def get(key: str, default=None):
             v = meta.get(f"{arch}.{key}", default)
@@ -197,17 +220,26 @@ class ArchConfig:
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             max_position_embeddings=int(get("context_length")), rope_scaling=scaling,
-            tie_word_embeddings=not has_output, qkv_bias=family == "qwen2",
+            tie_word_embeddings=not has_output, qkv_bias=family in ("qwen2", "qwen2_moe"),
             hidden_act="gelu_pytorch_tanh" if gemma else "silu",
             # llama.cpp's converter already folds Gemma's +1 into the stored norm weights
             norm_offset=0.0, embed_scale=gemma,
             rotary_dim=rope_dim if rope_dim != head_dim else 0,
-            qk_norm=family in ("qwen3", "gemma3"), sandwich_norms=family in ("gemma2", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"), sandwich_norms=family in ("gemma2", "gemma3"),
             attn_scale=float(scale) if scale else None,
             attn_softcap=float(meta[f"{arch}.attn_logit_softcapping"]) if meta.get(f"{arch}.attn_logit_softcapping") else None,
             final_softcap=float(meta[f"{arch}.final_logit_softcapping"]) if meta.get(f"{arch}.final_logit_softcapping") else None,
             layer_windows=windows,
             local_rope_theta=float(meta.get(f"{arch}.rope.freq_base_swa", 10000.0)) if family == "gemma3" else None,
+            qk_norm_full=family == "olmoe",
+            clip_qkv=float(meta[f"{arch}.attention.clamp_kqv"]) if meta.get(f"{arch}.attention.clamp_kqv") else None,
+            num_experts=experts, experts_per_tok=int(meta.get(f"{arch}.expert_used_count") or 0),
+            moe_intermediate_size=int(meta.get(f"{arch}.expert_feed_forward_length") or 0) or
+            (int(get("feed_forward_length")) if experts else 0),
+            # llama.cpp renormalises the top-k weights of Qwen3-MoE and Mixtral, not of Qwen2-MoE or OLMoE
+            norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", family in ("qwen3_moe", "mixtral"))),
+            shared_expert_size=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            dense_layers=dense_layers if experts else (),
         )
 
 def _hf_rope(cfg: dict, family: str) -> tuple[dict, dict | None]:
@@ -251,3 +283,20 @@ def _hf_windows(cfg: dict, family: str, layers: int) -> tuple[int, ...]:
         sliding = [True] * layers
     windows = tuple(int(window) if s else 0 for s in sliding)
     return windows if any(windows) else ()
+
+
+def _hf_moe(cfg: dict, family: str, layers: int) -> dict:
+    """The mixture-of-experts fields of each MoE family's config.json."""
+    if family not in MOE:
+        return {}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    step = cfg.get("decoder_sparse_step") or 1
+    dense = tuple(i for i in range(layers) if i in (cfg.get("mlp_only_layers") or []) or (i + 1) % step)
+    return dict(
+        num_experts=experts, experts_per_tok=cfg.get("num_experts_per_tok", 0),
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        norm_topk_prob=True if family == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_size=(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0,
+        dense_layers=dense, qk_norm_full=family == "olmoe",
+        clip_qkv=cfg.get("clip_qkv") if family == "olmoe" else None,
+    )

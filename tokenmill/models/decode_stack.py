@@ -75,6 +75,10 @@ def _unsupported(model: CausalLM) -> str | None:
         return "the CPU kernels are not built"
     if model.cfg.hidden_act not in _ACTS:
         return f"activation {model.cfg.hidden_act!r}"
+    if model.cfg.num_experts:
+        return "mixture-of-experts layers (the stack chains dense MLPs only)"
+    if model.cfg.qk_norm_full or model.cfg.clip_qkv is not None:
+        return "whole-projection q/k norms or q/k/v clamping (OLMoE)"
     if model.cfg.attn_softcap is not None:
         return "attention-score soft-capping (Gemma 2) is not in the attention kernels"
     embed = model.model.embed_tokens.weight

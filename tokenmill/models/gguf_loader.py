@@ -24,6 +24,11 @@ _LAYER_NAMES = {
     "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, every expert's projection stacked in one 3-D tensor, a shared expert
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj", "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Gemma 2/3 name their four norms differently (llama.cpp's ffn_norm is the MLP's input norm in both)
 _SANDWICH_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -71,8 +76,20 @@ class GGUFFile:
     def hf_shapes(self) -> dict[str, tuple[int, ...]]:
         """Each tensor's Hugging Face name and logical shape (rows, cols), read from the header
         alone: what the metadata's sizes are checked against before anything is allocated."""
-        return {hf: tuple(int(d) for d in reversed(t.shape)) for name, t in self.tensors.items()
-                if (hf := self._hf_name(name)) is not None}
+        shapes = {}
+        for name, t in self.tensors.items():
+            hf = self._hf_name(name)
+            shape = tuple(int(d) for d in reversed(t.shape))
+            if hf is not None and "{e}" in hf:
+                shapes.update((hf.format(e=e), shape[1:]) for e in range(shape[0]))
+            elif hf is not None:
+                shapes[hf] = shape
+        return shapes
+
+    def dense_layers(self) -> tuple[int, ...]:
+        """In a mixture-of-experts file: the layers without a router (a dense MLP)."""
+        blocks = {int(m.group(1)) for n in self.tensors if (m := _BLK.match(n))}
+        return tuple(sorted(b for b in blocks if f"blk.{b}.ffn_gate_inp.weight" not in self.tensors))
 
     @property
     def architecture(self) -> str:
@@ -93,14 +110,23 @@ class GGUFFile:
             kind = t.tensor_type.name
             w = torch.from_numpy(np.array(self._dequantize(t), copy=True))
             parts = None
-            if kind in ("Q4_0", "Q4_1") and w.dim() == 2:
-                parts = gguf_blocks.decode(np.asarray(t.data), kind, w.shape[1])
+            if kind in ("Q4_0", "Q4_1") and w.dim() in (2, 3):
+                parts = gguf_blocks.decode(np.asarray(t.data).reshape(w.shape[:-1].numel(), -1), kind, w.shape[-1])
+            quantized = kind not in ("F32", "F16", "BF16")
+            if w.dim() == 3:  # one tensor per expert, its rows a slice of the stacked parts
+                rows = w.shape[1]
+                for e in range(w.shape[0]):
+                    ep = None if parts is None else tuple(p[e * rows:(e + 1) * rows] for p in parts)
+                    yield hf.format(e=e), w[e], {"quantized": quantized, "int4_parts": ep}
+                continue
+            if hf.endswith("shared_expert_gate.weight") and w.dim() == 1:
+                w = w[None]  # llama.cpp stores the (1, hidden) gate as a vector
             if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = num_heads if "attn_q" in name else num_kv_heads
                 w = _unpermute(w, heads)
                 if parts is not None:
                     parts = tuple(_unpermute(p, heads) for p in parts)
-            yield hf, w, {"quantized": kind not in ("F32", "F16", "BF16"), "int4_parts": parts}
+            yield hf, w, {"quantized": quantized, "int4_parts": parts}
 
     def rope_factors(self) -> tuple[list[float], list[float]] | None:
         """(short, long) LongRoPE factors, which llama.cpp stores as tensors, or None."""

@@ -20,6 +20,7 @@ from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
+from tokenmill.models.moe import SparseMoE
 from tokenmill.quant import int8
 
 # The int8 copy of a tied embedding serves up to a decode step's worth of rows (one per running
@@ -43,7 +44,10 @@ class SelfAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
-        self.qk_norm = cfg.qk_norm
+        elif cfg.qk_norm_full:
+            self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        self.qk_norm, self.qk_norm_full, self.clip = cfg.qk_norm, cfg.qk_norm_full, cfg.clip_qkv
         self.window = cfg.window(layer)
         # Gemma 3's sliding layers rotate with their own base: the second of the step's ropes
         self.rope_index = 1 if self.window and cfg.local_rope_theta is not None else 0
@@ -52,6 +56,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, ropes: Ropes, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.qk_norm_full:  # OLMoE: norms over whole projections, then the clamp
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)     # (T, Hq+Hkv, D)
         if self.qk_norm:
@@ -74,9 +83,9 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ArchConfig) -> None:
+    def __init__(self, cfg: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": self.inter, "up": self.inter})
         self.down_proj = Linear(self.inter, cfg.hidden_size)
         self.act = _ACTS.get(cfg.hidden_act)
@@ -106,7 +115,7 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg, lambda size: MLP(cfg, size)) if cfg.is_moe_layer(layer) else MLP(cfg)
 
     @property
     def mlp_norm(self) -> RMSNorm:
@@ -183,7 +192,7 @@ class CausalLM(nn.Module):
         rounding there costs more accuracy than the time it saves.
         `keep_float` keeps the float weights too, for steps with many tokens."""
         for name, module in self.named_modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and not module.keep_float:
                 head = name == "lm_head"
                 module.quantize(policy, group_size, allow_int4=not head, keep_float=keep_float,
                                 activation_bits=16 if head else activation_bits)
@@ -221,6 +230,8 @@ def _kernel_bytes(qweight) -> int:
     return sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
 
 
+# Mixtral's checkpoint names -> the ones the other MoE families (and our modules) use
+_RENAMES = {"block_sparse_moe": "mlp", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # checkpoint suffix -> (our parameter suffix, shard of a fused layer)
 _FUSED = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -251,7 +262,7 @@ def load_weights(model: CausalLM, weights) -> None:
             continue
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied: the embedding serves as the output projection
-        parts = name.split(".")
+        parts = [_RENAMES.get(p, p) for p in name.split(".")] if "block_sparse_moe" in name else name.split(".")
         shard = None
         if len(parts) >= 3 and parts[-2] in _FUSED:
             fused, shard = _FUSED[parts[-2]]

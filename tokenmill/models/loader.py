@@ -111,7 +111,8 @@ def check_declared_sizes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], s
                  "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
                  "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                  "self_attn.qkv_proj.weight": (q + 2 * kv, h), "mlp.gate_up_proj.weight": (2 * ff, h),
-                 "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+                 "self_attn.q_norm.weight": (q,) if arch.qk_norm_full else (hd,),
+                 "self_attn.k_norm.weight": (kv,) if arch.qk_norm_full else (hd,),
                  "pre_feedforward_layernorm.weight": (h,), "post_feedforward_layernorm.weight": (h,)}
     top = {"model.embed_tokens.weight": (arch.vocab_size, h), "model.norm.weight": (h,),
            "lm_head.weight": (arch.vocab_size, h)}
@@ -197,7 +198,7 @@ def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
 def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool) -> LoadedModel:
     g = GGUFFile(path)
     arch = ArchConfig.from_gguf(g.meta, g.vocab_size(), has_output="output.weight" in g.tensors,
-                                rope_factors=g.rope_factors())
+                                rope_factors=g.rope_factors(), dense_layers=g.dense_layers())
     if "token_embd.weight" not in g.tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor; the file is incomplete.")
     check_declared_sizes(arch, g.hf_shapes(), path)
