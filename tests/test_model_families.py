@@ -5,6 +5,10 @@ shorter than the contexts, RoPE scalings run past the original context, and the 
 ones (dynamic NTK, LongRoPE) are compared with transformers fed the same chunks through its cache."""
 from __future__ import annotations
 
+import json
+import pathlib
+import sys
+
 import pytest
 import torch
 
@@ -216,7 +220,8 @@ def test_family_gguf_matches_hf_directory(family, tmp_path):
     loads to the same logits as its Hugging Face directory; as Q4_0 its 4-bit blocks load straight
     into the int4 kernels (fused Phi-3 tensors split by rows) and compute what their dequantized
     floats do."""
-    from gguf_write import hf_to_gguf
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "scripts"))
+    from hf_to_gguf import hf_to_gguf
 
     kind, path = family
     if kind == "llama-dynamic":
@@ -266,3 +271,48 @@ def test_sliding_window_kv_stays_bounded_and_outputs_match(tmp_path):
         ref.generation_config.eos_token_id = None  # ignore_eos, as the request asked
         want = ref.generate(torch.tensor([prompt]), max_new_tokens=120, do_sample=False)[0, 30:].tolist()
     assert out.outputs[0].token_ids == want
+
+
+def test_compression_refuses_families_it_cannot_write(family, tmp_path):
+    """Every family serves; the compression commands write only the layouts they know, and say so
+    before any work."""
+    from tokenmill.compress import export
+    from tokenmill.models.arch import ArchConfig
+
+    kind, path = family
+    with open(f"{path}/config.json") as f:
+        arch = ArchConfig.from_hf(json.load(f))
+    if arch.family in ("llama", "qwen2", "gemma"):
+        cfg = export.hf_config(arch, "float32")
+        assert ArchConfig.from_hf(cfg).layer_windows == arch.layer_windows
+    else:
+        with pytest.raises(ValueError, match="cannot be compressed here yet"):
+            export.check_exportable(arch)
+
+
+TEMPLATES = pathlib.Path(__file__).parent / "data" / "chat_templates"
+CONVERSATION = [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"},
+                {"role": "user", "content": "  And an even one?  "}]
+
+
+@pytest.mark.parametrize("name,extra", [("Qwen-Qwen3-0.6B", {}), ("Qwen-Qwen3-0.6B", {"enable_thinking": False}),
+                                        ("google-gemma-2-2b-it", {}), ("microsoft-Phi-3.5-mini-instruct", {})])
+def test_family_chat_templates_render_as_transformers(name, extra):
+    """The families' real templates render as transformers renders them, chat_template_kwargs
+    included (Qwen3's enable_thinking); Gemma's refusal of a system turn is a clear error."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from tokenmill.models.chat_template import render
+
+    source = (TEMPLATES / f"{name}.jinja").read_text()
+    special = {"bos_token": "<bos>", "eos_token": "<eos>"}
+    messages = ([] if "gemma" in name else [{"role": "system", "content": "Be brief."}]) + CONVERSATION
+    got = render(source, messages, True, special, None, extra)
+    rendered, _ = render_jinja_template([messages], chat_template=source, add_generation_prompt=True, **special, **extra)
+    assert got == rendered[0]
+    if extra.get("enable_thinking") is False:
+        assert got.endswith("<think>\n\n</think>\n\n")
+    if "gemma" in name:
+        assert "<start_of_turn>model\n7<end_of_turn>" in got
+        with pytest.raises(ValueError, match="System role not supported"):
+            render(source, [{"role": "system", "content": "x"}] + CONVERSATION, True, special)

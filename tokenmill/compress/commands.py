@@ -16,7 +16,9 @@ from tokenmill.utils import default_model_path, resolve_device
 
 
 def _load_float(path: str | None, device: str = "cpu") -> loader.LoadedModel:
-    return loader.load(path or default_model_path(), "float32", resolve_device(device), quantization="none")
+    loaded = loader.load(path or default_model_path(), "float32", resolve_device(device), quantization="none")
+    export.check_exportable(loaded.arch)
+    return loaded
 
 
 def _tokens(loaded: loader.LoadedModel, path: str) -> list[int]:

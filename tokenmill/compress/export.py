@@ -56,8 +56,18 @@ def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
         raise
 
 
+def check_exportable(arch: ArchConfig) -> None:
+    """The compression commands write Llama, Qwen2 and Gemma checkpoints; the newer families' own
+    config fields (norm layouts, windows, experts) are not written yet, so they are refused before
+    any work rather than written as a checkpoint that would load as another model."""
+    if arch.family not in _HF_ARCH:
+        raise ValueError(f"tokenmill's compression commands support {', '.join(sorted(_HF_ARCH))} models; "
+                         f"this is a {arch.family} model (it serves, but cannot be compressed here yet).")
+
+
 def hf_config(arch: ArchConfig, dtype: str) -> dict:
     """config.json for `arch`: what transformers and our loader need to rebuild the model."""
+    check_exportable(arch)
     archname, model_type = _HF_ARCH[arch.family]
     cfg = {
         "architectures": [archname], "model_type": model_type, "vocab_size": arch.vocab_size,
@@ -69,6 +79,8 @@ def hf_config(arch: ArchConfig, dtype: str) -> dict:
     }
     if arch.rope_scaling:
         cfg["rope_scaling"] = arch.rope_scaling
+    if arch.family == "llama" and arch.sliding_window:  # Mistral's window: transformers' Llama has none
+        cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=arch.sliding_window)
     if arch.family == "llama":
         cfg["attention_bias"] = arch.qkv_bias
         cfg["mlp_bias"] = False

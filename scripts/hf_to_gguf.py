@@ -1,7 +1,12 @@
-"""Write a tiny Hugging Face model as a GGUF file the way llama.cpp's converter lays it out (tensor
-names, Q/K row permutation for Llama, Gemma's +1 folded into the norms, Phi-3's fused tensors and
-LongRoPE factor tensors, the metadata keys), with the `gguf` package: the test-side twin of
-tokenmill/models/gguf_loader.py."""
+"""Write a Hugging Face model directory as a GGUF file the way llama.cpp's converter lays it out
+(tensor names, Q/K row permutation for Llama, Gemma's +1 folded into the norms, Phi-3's fused
+tensors and LongRoPE factor tensors, stacked expert tensors, the metadata keys), with the `gguf`
+package: the twin of tokenmill/models/gguf_loader.py that the tests check it against, and the way
+the MoE benchmark gives llama.cpp and tokenmill the same file. No tokenizer of its own: with
+`--tokenizer-from`, another GGUF's tokenizer.* metadata is copied in (llama.cpp needs one).
+
+    python scripts/hf_to_gguf.py HF_DIR OUT.gguf [--type Q4_0] [--embed-type Q8_0] [--tokenizer-from M.gguf]
+"""
 from __future__ import annotations
 
 import glob
@@ -35,7 +40,10 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_to_gguf(hf_dir: str, out: str, qtype: str = "F32") -> str:
+def hf_to_gguf(hf_dir: str, out: str, qtype: str = "F32", embed_qtype: str = "F32",
+               tokenizer_from: str | None = None) -> str:
+    """`qtype`: the layers' block type; `embed_qtype`: the embedding's and output's (llama.cpp keeps
+    them at a higher precision than the layers)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -116,18 +124,49 @@ def hf_to_gguf(hf_dir: str, out: str, qtype: str = "F32") -> str:
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             t = t + 1  # llama.cpp stores Gemma's (1 + w)
         data = t.numpy().astype(np.float32)
-        # embeddings and output stay float, as llama.cpp keeps them at a higher precision than the layers
-        if data.ndim >= 2 and qtype != "F32" and data.shape[-1] % 32 == 0 and name not in TOP \
-                and "ffn_gate_inp" not in gname:
-            qt = getattr(gguf.GGMLQuantizationType, qtype)
+        want = embed_qtype if name in TOP else qtype
+        if data.ndim >= 2 and want != "F32" and data.shape[-1] % 32 == 0 and "ffn_gate_inp" not in gname:
+            qt = getattr(gguf.GGMLQuantizationType, want)
             w.add_tensor(gname, gguf.quants.quantize(data, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, data)
     if kind == "longrope":
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+    if tokenizer_from:
+        _copy_tokenizer(w, tokenizer_from)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def _copy_tokenizer(w, path: str) -> None:
+    """Every tokenizer.* field of another GGUF file, as it is there."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, field.contents())
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_string(key, field.contents())
+        else:
+            w.add_key_value(key, field.contents(), kind)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("hf_dir")
+    ap.add_argument("out")
+    ap.add_argument("--type", default="F32", help="block type of the layers' weights (F32, Q8_0, Q4_0, ...)")
+    ap.add_argument("--embed-type", default="F32", help="block type of the embedding and output")
+    ap.add_argument("--tokenizer-from", help="a GGUF whose tokenizer.* metadata to copy")
+    a = ap.parse_args()
+    print(hf_to_gguf(a.hf_dir, a.out, a.type, a.embed_type, a.tokenizer_from))
