@@ -2,10 +2,9 @@
 ship with: linear, dynamic NTK, YaRN, LongRoPE and Llama 3 — each computed as transformers'
 `modeling_rope_utils` defines it, so logits match the reference past the original context too.
 
-cos/sin are computed for the step's positions (`lookup`), once per forward and shared by every
-layer using the same rotary, instead of a table over the whole declared context: a 128k-token YaRN
-model would otherwise hold a table of tens of megabytes, and the angles are the same float32
-products either way. Only the first `rotary_dim` dimensions of a head rotate (Phi-4-mini's
+cos/sin rows are looked up once per forward (`lookup`) and shared by every layer using the same
+rotary, from tables that grow in fixed chunks over the positions actually seen rather than over
+the whole declared context (a 128k-token YaRN model would hold tens of megabytes of table). Only the first `rotary_dim` dimensions of a head rotate (Phi-4-mini's
 partial rotary factor); the rest pass through.
 
 Two scalings depend on the length of the sequence being run, as in transformers'
@@ -25,6 +24,7 @@ from torch import nn
 from tokenmill import kernels
 
 KINDS = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_CHUNK = 1024  # positions per step of the cos/sin tables' growth
 
 
 def scaling_kind(scaling: dict | None) -> str:
@@ -116,6 +116,7 @@ class RotaryEmbedding(nn.Module):
             long_inv = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * theta ** shape)
         self.register_buffer("inv_freq", inv.float(), persistent=False)
         self.register_buffer("long_inv_freq", long_inv, persistent=False)
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # see _rows
 
     @property
     def length_dependent(self) -> bool:
@@ -127,21 +128,43 @@ class RotaryEmbedding(nn.Module):
         """(T,) positions -> cos, sin of shape (T, 1, rotary_dim/2), for all layers of one step.
         `seq_lens` (T,): the sequence length in force per token (see the module docstring);
         None: the longest position here plus one, for every token (one sequence, no cache)."""
-        t = positions.to(self.inv_freq.device).float()
-        inv = self.inv_freq[None, :]
+        positions = positions.to(self.inv_freq.device)
+        long = None
         if self.length_dependent:
             if seq_lens is None:
                 seq_lens = (positions.max() + 1).expand(positions.shape) if positions.numel() else positions
-            long = (seq_lens > self.original).to(self.inv_freq.device)[:, None]
+            long = seq_lens.to(positions.device) > self.original
+        cos, sin = self._rows("short", self.inv_freq, positions)
+        if long is not None and bool(long.any()):
             if self.kind == "longrope":
-                inv = torch.where(long, self.long_inv_freq[None, :], inv)
-            elif bool(long.any()):
-                inv = torch.where(long, self._dynamic_inv(seq_lens.to(self.inv_freq.device)), inv)
-        freqs = t[:, None] * inv
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+                lc, ls = self._rows("long", self.long_inv_freq, positions)
+            else:
+                lc, ls = self._dynamic_rows(positions, seq_lens.to(positions.device))
+            cos, sin = torch.where(long[:, None], lc, cos), torch.where(long[:, None], ls, sin)
         return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _rows(self, name: str, inv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of a table grown a fixed-size chunk at a time over the positions seen so far. A
+        position's cos/sin must not depend on which other positions share the step (vectorised
+        cos rounds differently in a vector's body and its tail), or a request would compute other
+        numbers in a batch than alone, and recomputation after preemption would diverge."""
+        cos, sin = self._tables.get(name, (inv.new_empty(0, inv.shape[0]), inv.new_empty(0, inv.shape[0])))
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if top > cos.shape[0]:
+            chunks_c, chunks_s = [cos], [sin]
+            for start in range(cos.shape[0], top, ROPE_CHUNK):
+                freqs = torch.arange(start, start + ROPE_CHUNK, dtype=torch.float32, device=inv.device)[:, None] * inv
+                chunks_c.append(freqs.cos() * self.attention_factor)
+                chunks_s.append(freqs.sin() * self.attention_factor)
+            cos, sin = torch.cat(chunks_c), torch.cat(chunks_s)
+            self._tables[name] = (cos, sin)
+        return cos[positions], sin[positions]
+
+    def _dynamic_rows(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dynamic NTK past the original context: angles per token, in float64 and rounded once, so
+        that (up to a double rounding tie) a token's values do not depend on its neighbours."""
+        freqs = positions.double()[:, None] * self._dynamic_inv(seq_lens).double()
+        return freqs.cos().float(), freqs.sin().float()
 
     def _dynamic_inv(self, seq_lens: torch.Tensor) -> torch.Tensor:
         """(T,) lengths -> (T, dim/2): the NTK-aware base for each length, as transformers'
