@@ -26,7 +26,13 @@ def make_tiny_hf(kind: str, path: str) -> str:
     else:
         cfg = transformers.GemmaConfig(**{**TINY, "head_dim": 16}, rope_theta=10000.0)
         model = transformers.GemmaForCausalLM(cfg)
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so every weight matters
+    return save_perturbed(model, path)
+
+
+def save_perturbed(model, path: str) -> str:
+    """Save a random transformers model with its norms away from 1 and biases away from 0, so that
+    every weight matters."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)

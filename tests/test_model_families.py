@@ -18,6 +18,7 @@ from tokenmill.models import loader
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 
+from conftest import save_perturbed
 from test_reference_logits import feed, paged_logits
 
 TOL = 1e-4
@@ -92,13 +93,7 @@ LENGTH_DEPENDENT = {"phi3-longrope", "llama-dynamic"}
 def make_family(kind: str, path: str) -> str:
     cfg, cls = _config(kind)
     torch.manual_seed(KINDS.index(kind))
-    model = cls(cfg)
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so every weight matters
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.1)
-    model.float().eval().save_pretrained(path, safe_serialization=True)
-    return path
+    return save_perturbed(cls(cfg), path)
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -235,6 +230,10 @@ def test_family_gguf_matches_hf_directory(family, tmp_path):
     q4 = hf_to_gguf(path, str(tmp_path / "q4.gguf"), "Q4_0")
     exact = loader.load(q4, "float32", torch.device("cpu"), load_tokenizer=False, activation_bits=16)
     assert exact.model.model.layers[0].self_attn.qkv_proj.qweight is not None
+    if kind in MOE_KINDS:  # each expert's slice of the stacked Q4_0 tensor, kept as 4-bit
+        from tokenmill.quant.int4 import Int4Weight
+        expert = exact.model.model.layers[-1].mlp.experts[1]
+        assert isinstance(expert.gate_up_proj.qweight, Int4Weight) and expert.gate_up_proj.quantized_source
     floats = loader.load(q4, "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
     ref = _dense_logits(floats.model, ids)
     assert (_dense_logits(exact.model, ids) - ref).abs().max() < 1e-3 * ref.abs().max()

@@ -207,18 +207,20 @@ class CausalLM(nn.Module):
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one decode step reads: every linear layer (a quantized one's kernel
-        panels) and the output head; the embedding table contributes one row."""
-        total = 0
-        for module in self.modules():
+        panels) and the output head; the embedding table contributes one row; a mixture of
+        experts, its experts' average share (k of E per token)."""
+        total = 0.0
+        for name, module in self.named_modules():
+            share = self.cfg.experts_per_tok / self.cfg.num_experts if ".experts." in name else 1.0
             q = getattr(module, "qweight", None)
             if q is not None:
-                total += _kernel_bytes(q)
+                total += share * _kernel_bytes(q)
             elif getattr(module, "weight", None) is not None and module is not self.model.embed_tokens:
-                total += module.weight.numel() * module.weight.element_size()
+                total += share * module.weight.numel() * module.weight.element_size()
         if self.lm_head is None:
             head, embed = self.tied_head_q, self.model.embed_tokens.weight
             total += _kernel_bytes(head) if head is not None else embed.numel() * embed.element_size()
-        return total
+        return int(total)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
