@@ -86,7 +86,7 @@ def _config(kind: str):
 KINDS = ["qwen3", "qwen3-yarn", "mistral-window", "gemma2", "gemma3", "phi3-longrope", "phi3-window",
          "llama-dynamic", "llama-linear", "qwen3-moe", "qwen2-moe", "mixtral", "olmoe"]
 MOE_KINDS = {"qwen3-moe", "qwen2-moe", "mixtral", "olmoe"}
-PYTHON_LAYERS = {"gemma2"} | MOE_KINDS  # the decode stack declines these (the reason is logged)
+PYTHON_LAYERS = {"gemma2", "olmoe"}  # the decode stack declines these (the reason is logged)
 LENGTH_DEPENDENT = {"phi3-longrope", "llama-dynamic"}
 
 

@@ -50,7 +50,16 @@ struct Layer {
   int64_t window = 0, rope = 0;  // sliding window (0: global); which rotary table (1: the local one)
   at::Tensor q_norm, k_norm;     // optional per-head norms of q and k (Qwen3, Gemma 3)
   at::Tensor attn_out_norm, mlp_out_norm;  // optional norms of the attention and MLP outputs (Gemma 2/3)
-  std::vector<Projection> proj;  // qkv, o, gate_up, down
+  std::vector<Projection> proj;  // qkv, o, gate_up, down (a MoE layer: qkv, o)
+  // mixture of experts (tokenmill/models/moe.py): float router (E, hidden), k experts per token,
+  // experts' projections gate_up, down, ... in expert order, then the shared expert's two
+  int64_t num_experts = 0, top_k = 0;
+  bool norm_topk = false;
+  at::Tensor router, shared_gate;  // shared_gate: (1, hidden) when there is a shared expert
+  std::vector<Projection> expert_proj;
+
+  size_t expert_projections() const { return 2 * num_experts + (shared_gate.defined() ? 2 : 0); }
+  bool complete() const { return num_experts ? proj.size() == 2 && expert_proj.size() == expert_projections() : proj.size() == 4; }
 };
 
 // Writes each token's K and V rows (Hkv*D floats at row stride ld) into its cache slot, converted
@@ -93,11 +102,32 @@ class DecodeStack : public torch::CustomClassHolder {
                             opt(q_norm), opt(k_norm), opt(attn_out_norm), opt(mlp_out_norm), {}});
   }
 
-  // Appends the last layer's next projection, in the order qkv, o, gate_up, down.
+  // Makes the last layer's MLP a mixture of experts (after its qkv and o projections): the experts'
+  // projections follow, gate_up and down of each in expert order, then the shared expert's.
+  void set_moe(at::Tensor router, int64_t top_k, bool norm_topk, c10::optional<at::Tensor> shared_gate) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().proj.size() == 2 && !layers_.back().num_experts,
+                "set_moe after a layer's qkv and o projections");
+    TORCH_CHECK(router.dim() == 2 && router.scalar_type() == at::kFloat && router.size(1) == hidden() && top_k >= 1 &&
+                top_k <= router.size(0), "router must be float (E, hidden), 1 <= top_k <= E");
+    Layer& L = layers_.back();
+    L.num_experts = router.size(0), L.top_k = top_k, L.norm_topk = norm_topk, L.router = router.contiguous();
+    if (shared_gate) L.shared_gate = shared_gate->contiguous();
+  }
+
+  // Appends the last layer's next projection, in the order qkv, o, gate_up, down (or the experts').
   void add_projection(int64_t kind, at::Tensor q, c10::optional<at::Tensor> s, c10::optional<at::Tensor> m,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> perm, c10::optional<at::Tensor> fw,
                       int64_t n, int64_t bits, int64_t float_min_rows) {
-    TORCH_CHECK(!layers_.empty() && layers_.back().proj.size() < 4, "add_layer first; four projections per layer");
+    TORCH_CHECK(!layers_.empty() && !layers_.back().complete(), "add_layer first; the layer has all its projections");
+    Layer& last = layers_.back();
+    if (last.num_experts && last.proj.size() == 2) {  // an expert's gate_up (2 x its width) or down
+      const bool down = last.expert_proj.size() % 2 == 1;
+      TORCH_CHECK(down ? n == hidden() : n % 2 == 0, "expert projection has ", n, " outputs");
+      last.expert_proj.push_back(Projection{kind, n, bits, float_min_rows, q, s.value_or(at::Tensor()),
+                                            m.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                                            perm.value_or(at::Tensor()), fw.value_or(at::Tensor())});
+      return;
+    }
 #ifndef TOKENMILL_DOT
     TORCH_CHECK(kind != kInt4Dot && kind != kInt8Dot, "the kernels were built without the dot layout");
 #endif
@@ -116,7 +146,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // Returns the hidden states after the last layer (before the final norm).
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor block_tables,
                      at::Tensor context_lens, c10::optional<at::Tensor> cos_local, c10::optional<at::Tensor> sin_local) {
-    TORCH_CHECK(!layers_.empty() && layers_.back().proj.size() == 4, "the stack is incomplete");
+    TORCH_CHECK(!layers_.empty() && layers_.back().complete(), "the stack is incomplete");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be float (B, hidden)");
     h = h.clone();  // the residual stream, updated in place
     const int64_t B = h.size(0), qkv_n = (hq_ + 2 * hkv_) * d_, row = hkv_ * d_;
@@ -145,6 +175,10 @@ class DecodeStack : public torch::CustomClassHolder {
                                                   block_tables, context_lens, scale_, L.window);
       const at::Tensor a = L.proj[1](o.view({B, hq_ * d_}));
       add_into(h, L.attn_out_norm.defined() ? rms_norm(a, L.attn_out_norm, eps_) : a);
+      if (L.num_experts) {
+        add_into(h, experts(L, rms_norm(h, L.post_norm, eps_)));
+        continue;
+      }
       const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
       const at::Tensor m = L.proj[3](activation(gu));
       add_into(h, L.mlp_out_norm.defined() ? rms_norm(m, L.mlp_out_norm, eps_) : m);
@@ -155,10 +189,39 @@ class DecodeStack : public torch::CustomClassHolder {
  private:
   int64_t hidden() const { return layers_.back().in_norm.numel(); }
 
+  // As SparseMoE.forward: softmax router, top k, optional renormalisation; (token, slot) pairs
+  // grouped by expert; each chosen expert runs once on its tokens, scaled and added in expert order;
+  // then the sigmoid-gated shared expert.
+  at::Tensor experts(const Layer& L, const at::Tensor& x) const {
+    const at::Tensor probs = at::softmax(at::linear(x, L.router), -1, at::kFloat);
+    auto [w, idx] = at::topk(probs, L.top_k, -1);
+    if (L.norm_topk) w = w / w.sum(-1, true);
+    const at::Tensor flat = idx.reshape(-1);
+    const at::Tensor order = at::argsort(flat, /*stable=*/true, -1, /*descending=*/false);
+    const at::Tensor counts = at::bincount(flat, {}, L.num_experts);
+    const at::Tensor token_of = order.div(L.top_k, "floor"), slot_w = w.reshape(-1).index_select(0, order);
+    const int64_t* cp = counts.data_ptr<int64_t>();
+    at::Tensor out = at::zeros_like(x);
+    for (int64_t e = 0, start = 0; e < L.num_experts; ++e) {
+      const int64_t n = cp[e];
+      if (!n) continue;
+      const at::Tensor rows = token_of.narrow(0, start, n);
+      const at::Tensor y = L.expert_proj[2 * e + 1](activation(L.expert_proj[2 * e](x.index_select(0, rows))));
+      out.index_add_(0, rows, y * slot_w.narrow(0, start, n).unsqueeze(1));
+      start += n;
+    }
+    if (L.shared_gate.defined()) {
+      const size_t i = 2 * L.num_experts;
+      out = out + at::sigmoid(at::linear(x, L.shared_gate)) * L.expert_proj[i + 1](activation(L.expert_proj[i](x)));
+    }
+    return out;
+  }
+
   // gu (B, 2I) = [gate | up] -> act(gate) * up, as MLP.forward computes it
   at::Tensor activation(const at::Tensor& gu) const {
     if (act_ == kSilu) return silu_mul(gu);
-    const at::Tensor gate = gu.narrow(1, 0, inter_), up = gu.narrow(1, inter_, inter_);
+    const int64_t inter = gu.size(1) / 2;
+    const at::Tensor gate = gu.narrow(1, 0, inter), up = gu.narrow(1, inter, inter);
     return (act_ == kGelu ? at::gelu(gate) : at::gelu(gate, "tanh")) * up;
   }
 
@@ -183,5 +246,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, double>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("add_projection", &tokenmill::DecodeStack::add_projection)
+      .def("set_moe", &tokenmill::DecodeStack::set_moe)
       .def("forward", &tokenmill::DecodeStack::forward);
 }

@@ -17,6 +17,7 @@ import torch
 from tokenmill import kernels
 from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear
 from tokenmill.models.llama import CausalLM
+from tokenmill.models.moe import SparseMoE
 from tokenmill.quant import int4, int8
 
 logger = logging.getLogger(__name__)
@@ -45,13 +46,25 @@ def build(model: CausalLM) -> object | None:
             if layer.sandwich else (None, None)
         stack.add_layer(layer.input_layernorm.factor(), layer.mlp_norm.factor(), sa.attn.k_cache, sa.attn.v_cache,
                         sa.window, sa.rope_index, *qk, *outs)
-        for proj in _projections(layer):
+        projections = _projections(layer)
+        for proj in projections[:2]:  # qkv, o
+            stack.add_projection(*_projection_args(proj))
+        if isinstance(layer.mlp, SparseMoE):
+            moe = layer.mlp
+            shared = moe.shared_expert_gate.weight.data if moe.shared_expert is not None else None
+            stack.set_moe(moe.gate.weight.data, moe.top_k, moe.norm_topk, shared)
+        for proj in projections[2:]:  # gate_up, down, or every expert's
             stack.add_projection(*_projection_args(proj))
     return stack
 
 
 def _projections(layer) -> list[Linear]:
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    """The layer's projections in stack order; a MoE layer's experts are added after these."""
+    attn = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    if isinstance(layer.mlp, SparseMoE):
+        experts = [*layer.mlp.experts, *([layer.mlp.shared_expert] if layer.mlp.shared_expert is not None else [])]
+        return attn + [p for e in experts for p in (e.gate_up_proj, e.down_proj)]
+    return attn + [layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 def _projection_args(proj: Linear) -> tuple:
@@ -75,8 +88,6 @@ def _unsupported(model: CausalLM) -> str | None:
         return "the CPU kernels are not built"
     if model.cfg.hidden_act not in _ACTS:
         return f"activation {model.cfg.hidden_act!r}"
-    if model.cfg.num_experts:
-        return "mixture-of-experts layers (the stack chains dense MLPs only)"
     if model.cfg.qk_norm_full or model.cfg.clip_qkv is not None:
         return "whole-projection q/k norms or q/k/v clamping (OLMoE)"
     if model.cfg.attn_softcap is not None:
