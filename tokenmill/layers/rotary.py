@@ -148,7 +148,9 @@ class RotaryEmbedding(nn.Module):
         position's cos/sin must not depend on which other positions share the step (vectorised
         cos rounds differently in a vector's body and its tail), or a request would compute other
         numbers in a batch than alone, and recomputation after preemption would diverge."""
-        cos, sin = self._tables.get(name, (inv.new_empty(0, inv.shape[0]), inv.new_empty(0, inv.shape[0])))
+        if name not in self._tables:
+            self._tables[name] = (inv.new_empty(0, inv.shape[0]), inv.new_empty(0, inv.shape[0]))
+        cos, sin = self._tables[name]
         top = int(positions.max()) + 1 if positions.numel() else 0
         if top > cos.shape[0]:
             chunks_c, chunks_s = [cos], [sin]

@@ -18,7 +18,7 @@ from tokenmill import kernels
 from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear
 from tokenmill.models.llama import CausalLM
 from tokenmill.models.moe import SparseMoE
-from tokenmill.quant import int4, int8
+from tokenmill.quant import int4
 
 logger = logging.getLogger(__name__)
 
