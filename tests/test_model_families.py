@@ -315,3 +315,17 @@ def test_family_chat_templates_render_as_transformers(name, extra):
         assert "<start_of_turn>model\n7<end_of_turn>" in got
         with pytest.raises(ValueError, match="System role not supported"):
             render(source, [{"role": "system", "content": "x"}] + CONVERSATION, True, special)
+
+
+def test_bad_rotary_configs_are_refused_at_load():
+    from tokenmill.models.arch import ArchConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="Unsupported rope scaling type 'mrope'"):
+        ArchConfig.from_hf({**cfg, "rope_scaling": {"rope_type": "mrope", "factor": 2.0}})
+    from tokenmill.models.llama import CausalLM
+    arch = ArchConfig.from_hf({**cfg, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3,
+                                                       "long_factor": [1.0] * 8, "original_max_position_embeddings": 32}})
+    with pytest.raises(ValueError, match="short_factor has 3 entries"):
+        CausalLM(arch)
