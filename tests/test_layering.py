@@ -1,5 +1,5 @@
 """Dependency direction (DESIGN.md): core/ never imports torch; server/ never imports torch,
-runner/, layers/ or models/; compress/ stays off the serving stack; quant/ off models and tools; kernels/ a leaf. Checked on the source with `ast`, so a violation cannot hide."""
+runner/, layers/ or models/; compress/ stays off the serving stack; quant/ off models and tools; kernels/ a leaf; router/ an HTTP client that imports nothing of the engine. Checked on the source with `ast`, so a violation cannot hide."""
 import ast
 import pathlib
 
@@ -17,6 +17,9 @@ RULES = {
     # constraints compile from plain params to matchers: no torch, no model, no engine
     "structured": ("torch", "tokenmill.runner", "tokenmill.models", "tokenmill.engine", "tokenmill.server"),
     "spec": ("tokenmill.server", "tokenmill.engine"),
+    # the router is an HTTP client of replicas: nothing of the engine, nor the server's engine-facing app
+    "router": ("torch", "tokenmill.engine", "tokenmill.runner", "tokenmill.layers", "tokenmill.models",
+               "tokenmill.core", "tokenmill.server.api", "tokenmill.sampling"),
     # the native kernels are a leaf: arithmetic and layouts, nothing of tokenmill above them
     "kernels": ("tokenmill.",),
 }
@@ -40,3 +43,12 @@ def test_forbidden_imports(package):
     for f in files:
         for name in imports(f):
             assert not name.startswith(RULES[package]), f"{f.relative_to(PKG)} imports {name}"
+
+
+def test_the_router_process_never_imports_torch():
+    import subprocess
+    import sys
+    code = ("import sys, tokenmill.router.app, tokenmill.router.cli, tokenmill.router.launcher, tokenmill.cli; "
+            "tokenmill.cli.build_parser(); assert 'torch' not in sys.modules, 'torch was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -25,8 +25,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str, env_key: str | None = None):
-    port = free_port()
+def start_server(*extra: str, env_key: str | None = None, port: int | None = None):
+    port = port or free_port()
     env = dict(os.environ)
     if env_key:
         env["TOKENMILL_API_KEY"] = env_key

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import MISSING, fields
 
@@ -111,8 +112,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """OpenAI-compatible HTTP server: engine on its own thread, uvicorn on the main one."""
-    import os
-
     import uvicorn
 
     from tokenmill.config import EngineConfig
@@ -128,13 +127,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for origin in args.allowed_origins or []:
         if origin != "*" and not origin.startswith(("http://", "https://")) or origin.endswith("/"):
             raise ValueError(f"--allowed-origins takes origins like https://app.example.com (or *), got {origin!r}.")
-    env = os.environ.get("TOKENMILL_API_KEY", "")
-    keys = list(args.api_key or []) + (env.split(",") if env else [])
-    if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
-        raise ValueError("--api-key must not be empty, nor any comma-separated entry of TOKENMILL_API_KEY.")
-    keys = [k.strip() for k in keys]
+    keys = _api_keys(args)
     if args.cache_salt_from_api_key and not keys:
         raise ValueError("--cache-salt-from-api-key needs API keys (--api-key or TOKENMILL_API_KEY).")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}.")
+    if args.data_parallel_size > 1:
+        from tokenmill.router.cli import serve_data_parallel
+        return serve_data_parallel(args, keys)
+    if args.cpu_cores:
+        from tokenmill.router.launcher import parse_cores
+        try:
+            os.sched_setaffinity(0, parse_cores(args.cpu_cores))
+        except OSError as e:
+            raise ValueError(f"--cpu-cores {args.cpu_cores}: {e.strerror} (cores this process may use: "
+                             f"{sorted(os.sched_getaffinity(0))})") from None
     config = EngineConfig.from_kwargs(**_engine_kwargs(args))
     # built on its own thread, the one that steps it (AsyncEngine says why)
     client = AsyncEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len,
@@ -175,6 +182,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _api_keys(args: argparse.Namespace) -> list[str]:
+    env = os.environ.get("TOKENMILL_API_KEY", "")
+    keys = list(args.api_key or []) + (env.split(",") if env else [])
+    if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
+        raise ValueError("--api-key must not be empty, nor any comma-separated entry of TOKENMILL_API_KEY.")
+    return [k.strip() for k in keys]
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from tokenmill.router.cli import cmd_router as run
+
+    return run(args, _api_keys(args))
 
 
 def _emit(result: dict, path: str | None) -> None:
@@ -399,8 +420,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="largest request body, declared or chunked (default: 8 MiB)")
     s.add_argument("--uvicorn-log-level", default="warning")
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas on this host behind one router and port, each on its share of the cores "
+                        "(--threads then counts per replica) and of the KV cache budget (default: 1)")
+    s.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
+                   help="how --data-parallel-size spreads requests (see `tokenmill router --help`)")
+    s.add_argument("--cpu-cores", default=None,
+                   help="pin the server to these CPU cores, e.g. 0-3,8 (Linux; default: all it may use)")
     _add_engine_args(s)
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, parser=s)
+
+    rt = sub.add_parser("router", help="load balancer over serve replicas (or any OpenAI-compatible servers)")
+    from tokenmill.router.cli import add_router_args
+    add_router_args(rt, _seconds)
+    rt.set_defaults(func=cmd_router)
 
     e = sub.add_parser("eval", help="model quality")
     esub = e.add_subparsers(dest="eval", required=True)

@@ -61,6 +61,9 @@ class ModelConfig:
             raise ValueError(f"threads must be a positive number of CPU threads, got {self.threads}.")
 
 
+CPU_KV_CACHE_BYTES = 2 << 30  # the KV budget on CPU when none is given
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))

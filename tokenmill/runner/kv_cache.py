@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.config import CPU_KV_CACHE_BYTES
 from tokenmill.models.arch import ArchConfig
 from tokenmill.utils import huge_page_zeros
 
@@ -30,7 +31,7 @@ def num_blocks_for(arch: ArchConfig, block_size: int, dtype: torch.dtype, device
             free, total = torch.cuda.mem_get_info(device)
             kv_cache_memory = int(free - total * (1.0 - gpu_memory_utilization))
         else:
-            kv_cache_memory = 2 << 30
+            kv_cache_memory = CPU_KV_CACHE_BYTES
     per_block = bytes_per_block(arch, block_size, dtype) + extra_bytes_per_block
     num = kv_cache_memory // per_block
     if num < 1:

@@ -6,7 +6,7 @@ never sends anything, nor one that sends its request line and headers a byte at 
 either holds a socket, and a slot of any concurrency limit, for as long as the client likes. This
 subclass of uvicorn's h11 protocol gives every request head `head_timeout` seconds from its first
 byte (from the connection's start for the first) and closes connections beyond `max_connections`
-as they open. Bodies get their deadline and size cap in the app's middleware (api._Guard).
+as they open. Bodies get their deadline and size cap in the app's middleware (guard.Guard).
 """
 from __future__ import annotations
 
