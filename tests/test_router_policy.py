@@ -125,8 +125,9 @@ def test_replica_metrics_are_relabelled_and_merged():
              'tokenmill:num_requests_running{model_name="m"} 2.0\n'
     text_b = text_a.replace("2.0", "5.0")
     m = RouterMetrics(["http://a", "http://b"], "cache_aware")
-    out = m.render({"http://a": text_a, "http://b": text_b, "http://c": "<html>not metrics"}).decode()
+    out = m.render_replicas({"http://a": text_a, "http://b": text_b, "http://c": "<html>not metrics"}).decode()
     fams = {f.name: f for f in text_string_to_metric_families(out)}
     running = {s.labels["replica"]: s.value for s in fams["tokenmill:num_requests_running"].samples}
-    assert running == {"http://a": 2.0, "http://b": 5.0}
-    assert "tokenmill:router_routing_decisions" in fams and "tokenmill:router_replica_healthy" in fams
+    assert running == {"http://a": 2.0, "http://b": 5.0} and set(fams) == {"tokenmill:num_requests_running"}
+    own = {f.name for f in text_string_to_metric_families(m.render().decode())}
+    assert "tokenmill:router_routing_decisions" in own and "tokenmill:router_replica_healthy" in own

@@ -29,6 +29,7 @@ log = logging.getLogger("tokenmill.router")
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "te", "upgrade",
                  "proxy-authorization", "proxy-connection", "accept-encoding"}
 _DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "server", "date"}
+_PROMETHEUS = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass
@@ -134,7 +135,7 @@ def build_router(config: RouterConfig, background: tuple = ()) -> FastAPI:
             await client.aclose()
 
     app = FastAPI(title="tokenmill router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
+    open_paths = {"/health"} | ({"/metrics", "/metrics/replicas"} if config.metrics_public else set())
     app.add_middleware(Guard, api_keys=set(config.api_keys), max_bytes=config.max_request_bytes,
                        body_timeout=config.client_timeout, open_paths=open_paths)
 
@@ -182,14 +183,18 @@ def build_router(config: RouterConfig, background: tuple = ()) -> FastAPI:
         return JSONResponse({"object": "list", "data": list(seen.values())})
 
     @app.get("/metrics")
-    async def prometheus(raw: Request):
+    async def prometheus():
+        metrics.queued.set(state["pool"].num_waiting)
+        return Response(metrics.render(), media_type=_PROMETHEUS)
+
+    @app.get("/metrics/replicas")
+    async def replica_metrics(raw: Request):
         up = [r for r in state["pool"].replicas if r.healthy]
         h = replica_auth or ({"authorization": raw.headers["authorization"]} if "authorization" in raw.headers else {})
         answers = await asyncio.gather(*(state["client"].get(r.url + "/metrics", headers=h, timeout=3.0) for r in up),
                                        return_exceptions=True)
         texts = {r.url: a.text for r, a in zip(up, answers) if isinstance(a, httpx.Response) and a.status_code == 200}
-        metrics.queued.set(state["pool"].num_waiting)
-        return Response(metrics.render(texts), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(metrics.render_replicas(texts), media_type=_PROMETHEUS)
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
     async def forward(raw: Request):

@@ -1,5 +1,7 @@
-"""The router's Prometheus metrics (prefix `tokenmill:router_`), and the replicas' own metrics
-re-exported under a `replica` label so one scrape of the router sees the whole deployment."""
+"""The router's Prometheus metrics (prefix `tokenmill:router_`, at /metrics), and the replicas' own
+metrics re-exported under a `replica` label (at /metrics/replicas), so a deployment that cannot
+scrape its replicas directly still sees them. Two paths, not one: a Prometheus that scrapes both the
+replicas and several routers would otherwise count every replica series once per router."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -49,12 +51,15 @@ class RouterMetrics:
         self.healthy.labels(replica=replica.url).set(1 if replica.healthy else 0)
         self.in_flight.labels(replica=replica.url).set(replica.in_flight)
 
-    def render(self, replica_texts: dict[str, str]) -> bytes:
-        """The router's metrics, then every replica family merged with a `replica` label."""
-        own = generate_latest(self.registry)
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    @staticmethod
+    def render_replicas(replica_texts: dict[str, str]) -> bytes:
+        """Every replica family merged with a `replica` label."""
         merged = CollectorRegistry()
         merged.register(_Relabelled(replica_texts))
-        return own + generate_latest(merged)
+        return generate_latest(merged)
 
 
 class _Relabelled:
