@@ -22,9 +22,11 @@ with httpx.Client(timeout=60) as c:
         for name, base in (("direct", a.direct), ("router", a.router))[:: 1 if i % 2 else -1]:
             t0 = time.perf_counter()
             with c.stream("POST", base + "/v1/completions", json={**body, "stream": True}) as r:
-                next(r.iter_raw())
+                chunks = r.iter_raw()
+                next(chunks)
                 ttfb = time.perf_counter() - t0
-                r.read()
+                for _ in chunks:
+                    pass
             t1 = time.perf_counter()
             assert c.post(base + "/v1/completions", json=body).status_code == 200
             total = time.perf_counter() - t1

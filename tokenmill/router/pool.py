@@ -9,15 +9,26 @@ reaches a replica around the router is invisible to it (put every client behind 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 
 from tokenmill.router.policy import Choice, Policy
 
 log = logging.getLogger("tokenmill.router")
+
+
+async def fetch(session: aiohttp.ClientSession, url: str, headers: dict | None = None,
+                timeout: float = 5.0) -> tuple[int, bytes, str] | None:
+    """A small GET, whole: (status, body, content type), or None if the replica did not answer."""
+    try:
+        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+            return r.status, await r.read(), r.headers.get("content-type", "")
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
 
 
 @dataclass
@@ -41,12 +52,12 @@ class Rejected(Exception):
 
 
 class Pool:
-    def __init__(self, urls: list[str], policy: Policy, client: httpx.AsyncClient, *, replica_headers: dict,
+    def __init__(self, urls: list[str], policy: Policy, session: aiohttp.ClientSession, *, replica_headers: dict,
                  health_interval: float = 2.0, eject_after: int = 2, readmit_after: int = 2,
                  max_in_flight: int = 256, max_queue_len: int = 1024, queue_timeout: float = 30.0,
                  on_change=None) -> None:
         self.replicas = [Replica(i, u.rstrip("/")) for i, u in enumerate(urls)]
-        self.policy, self.client, self.replica_headers = policy, client, replica_headers
+        self.policy, self.session, self.replica_headers = policy, session, replica_headers
         self.health_interval, self.eject_after, self.readmit_after = health_interval, eject_after, readmit_after
         self.max_in_flight, self.max_queue_len, self.queue_timeout = max_in_flight, max_queue_len, queue_timeout
         self.on_change = on_change or (lambda replica: None)   # metrics hook: a replica's state moved
@@ -61,11 +72,8 @@ class Pool:
             await asyncio.sleep(self.health_interval)
 
     async def probe(self, r: Replica) -> None:
-        try:
-            ok = (await self.client.get(r.url + "/health", timeout=max(1.0, self.health_interval))).status_code == 200
-        except httpx.HTTPError:
-            ok = False
-        if ok:
+        answer = await fetch(self.session, r.url + "/health", timeout=max(1.0, self.health_interval))
+        if answer is not None and answer[0] == 200:
             r.failures = 0
             if not r.healthy:
                 r.successes += 1
@@ -79,10 +87,10 @@ class Pool:
                 self._set(r, False, f"{r.failures} failed health checks")
 
     async def _refresh_models(self, r: Replica) -> None:
+        answer = await fetch(self.session, r.url + "/v1/models", self.replica_headers)
         try:
-            resp = await self.client.get(r.url + "/v1/models", headers=self.replica_headers, timeout=5.0)
-            r.models = {m["id"] for m in resp.json()["data"]} if resp.status_code == 200 else set()
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            r.models = {m["id"] for m in json.loads(answer[1])["data"]} if answer and answer[0] == 200 else set()
+        except (ValueError, KeyError, TypeError):
             r.models = set()
 
     def eject(self, r: Replica, why: str) -> None:
