@@ -40,7 +40,7 @@ def test_cache_aware_follows_the_prefix_until_load_overrules_it():
     p = Policy("cache_aware", 2, chunk_chars=16, balance_threshold=2)
     first = p.keys(SYSTEM + "Question one?")
     c = p.choose(first, {0: 0, 1: 0})
-    assert c.reason == "load"
+    assert c.reason == "spread"
     p.routed(c.index, first)
     home = c.index
     other = 1 - home
@@ -49,11 +49,13 @@ def test_cache_aware_follows_the_prefix_until_load_overrules_it():
     assert (c2.index, c2.reason) == (home, "prefix") and c2.matched_chars == len(SYSTEM) // 16 * 16
     c3 = p.choose(second, {home: 3, other: 0})  # busier by 3: load wins
     assert (c3.index, c3.reason) == (other, "balance")
-    # a new prefix goes to the least loaded replica, ties to the one whose picture holds least
+    # a prompt nobody holds goes round-robin among the replicas within the threshold of the least loaded
     fresh = p.keys("A completely unrelated prompt about gardening and soil. " * 3)
-    assert p.choose(fresh, {0: 1, 1: 1}).index == other
+    spread = [p.choose(fresh, {0: 1, 1: 1}).index for _ in range(4)]
+    assert sorted(spread) == [0, 0, 1, 1] and spread[0] != spread[1]
+    assert {p.choose(fresh, {home: 5, other: 1}).index for _ in range(4)} == {other}  # 4 above: skipped
     p.forget(home)
-    assert p.choose(second, {home: 0, other: 1}).reason == "load"
+    assert p.choose(second, {home: 0, other: 1}).reason == "spread"
 
 
 def test_prefix_index_is_lru_bounded():

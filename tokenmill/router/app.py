@@ -283,9 +283,12 @@ class _Forward:
                     if upstream.status != 503:
                         relayed = True  # the relay watches `gone` from here on
                         return _Relay(upstream, first, gone, self._finisher(replica, upstream.status), replica.index)
-                    body503 = first + await upstream.read()
+                    try:
+                        body503 = first + await upstream.read()
+                    except (aiohttp.ClientError, asyncio.TimeoutError):
+                        body503 = first
                     last_refusal = (body503, _response_headers(upstream))
-                    upstream.release()
+                    upstream.close()
                     last_error = f"{replica.url}: 503"
                 tried.add(replica.index)
                 await self.pool.release(replica)

@@ -24,7 +24,7 @@ class RouterMetrics:
                                   ["replica"], buckets=_BUCKETS, registry=r)
         self.decisions = Counter(p + "routing_decisions", "Routing decisions by policy and reason "
                                  "(prefix: sent where its prefix is; balance: a prefix match overruled by load; "
-                                 "load: least loaded; round_robin)", ["policy", "reason"], registry=r)
+                                 "spread: no match, next in rotation; load: least loaded; round_robin)", ["policy", "reason"], registry=r)
         self.matched_chars = Counter(p + "prefix_matched_chars", "Prompt characters routed to a replica believed to "
                                      "hold them (cache_aware)", registry=r)
         self.query_chars = Counter(p + "prefix_query_chars", "Prompt characters of requests routed by cache_aware",
@@ -41,7 +41,7 @@ class RouterMetrics:
         for url in replicas:
             self.healthy.labels(replica=url).set(0)
             self.in_flight.labels(replica=url).set(0)
-        for reason in ("prefix", "balance", "load", "round_robin"):
+        for reason in ("prefix", "balance", "spread", "load", "round_robin"):
             self.decisions.labels(policy=policy, reason=reason)
 
     def replica_changed(self, replica) -> None:
