@@ -14,7 +14,7 @@ import openai
 import psutil
 import pytest
 
-from test_server import KEY, MODEL, free_port, metric, start_server
+from test_server import KEY, MODEL, free_port, metric, start_server, wait_up
 
 pytestmark = pytest.mark.slow
 H = {"Authorization": f"Bearer {KEY}"}
@@ -29,17 +29,7 @@ def start_router(*replicas: str, extra=()):
         cmd += ["--replica", r]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("router did not start")
+    return wait_up(proc, base, 60), base
 
 
 def stop(*procs):

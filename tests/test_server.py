@@ -34,17 +34,23 @@ def start_server(*extra: str, env_key: str | None = None, port: int | None = Non
                              str(port), "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory",
                              "512MiB", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    return wait_up(proc, base, 180), base
+
+
+def wait_up(proc: subprocess.Popen, base: str, seconds: float) -> subprocess.Popen:
+    """`proc` once `base`/health answers 200; its stderr in the error if it exits first."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(proc.stderr.read().decode())
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
+                return proc
         except httpx.HTTPError:
-            time.sleep(0.3)
+            pass
+        time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("server did not start")
+    raise RuntimeError(f"{base} did not come up within {seconds:g} s")
 
 
 @pytest.fixture(scope="module")

@@ -404,22 +404,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="browser origins allowed by CORS, e.g. https://app.example.com (repeatable; default: none)")
     s.add_argument("--max-queue-len", type=int, default=1024,
                    help="waiting requests beyond which new ones get 503 (default: 1024)")
-    s.add_argument("--graceful-shutdown-timeout", type=int, default=30,
-                   help="seconds SIGTERM waits for running requests to finish (default: 30)")
     s.add_argument("--request-timeout", type=_seconds, default=None,
                    help="seconds a request may take from arrival to its last token; past it the request stops "
                         "and gets 504 (an error event if streaming). Default: no limit")
     s.add_argument("--max-queue-time", type=_seconds, default=None,
                    help="seconds a request may wait before it is first scheduled; past it 503. Default: no limit")
-    s.add_argument("--client-timeout", type=_seconds, default=30.0,
-                   help="seconds a client has to send a request's head, and again its body (default: 30)")
     s.add_argument("--timeout-keep-alive", type=_seconds, default=5.0,
                    help="seconds an idle keep-alive connection stays open (default: 5)")
-    s.add_argument("--max-connections", type=int, default=2048,
-                   help="open connections beyond which new ones are closed at once (default: 2048)")
-    s.add_argument("--max-request-bytes", type=int, default=8 << 20,
-                   help="largest request body, declared or chunked (default: 8 MiB)")
-    s.add_argument("--uvicorn-log-level", default="warning")
+    from tokenmill.server.transport import add_arguments as front_door_args
+    front_door_args(s, _seconds)
     s.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas on this host behind one router and port, each on its share of the cores "
                         "(--threads then counts per replica) and of the KV cache budget (default: 1)")

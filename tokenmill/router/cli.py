@@ -7,6 +7,7 @@ import os
 import sys
 
 from tokenmill.router.policy import POLICIES
+from tokenmill.server.transport import add_arguments
 
 
 def add_router_args(p: argparse.ArgumentParser, seconds) -> None:
@@ -39,18 +40,7 @@ def add_router_args(p: argparse.ArgumentParser, seconds) -> None:
                         "one before load wins (default: 4)")
     p.add_argument("--upstream-timeout", type=seconds, default=1800.0,
                    help="seconds of silence from a replica before the request fails with 504 (default: 1800)")
-    _front_door_args(p)
-
-
-def _front_door_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--graceful-shutdown-timeout", type=int, default=30,
-                   help="seconds SIGTERM waits for running requests to finish (default: 30)")
-    p.add_argument("--client-timeout", type=float, default=30.0,
-                   help="seconds a client has to send a request's head, and again its body (default: 30)")
-    p.add_argument("--max-connections", type=int, default=2048,
-                   help="open connections beyond which new ones are closed at once (default: 2048)")
-    p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="largest request body (default: 8 MiB)")
-    p.add_argument("--uvicorn-log-level", default="warning")
+    add_arguments(p, seconds)
 
 
 def cmd_router(args: argparse.Namespace, keys: list[str]) -> int:

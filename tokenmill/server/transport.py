@@ -19,6 +19,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("tokenmill.server")
 
 
+def add_arguments(p, seconds) -> None:
+    """The front door's flags, shared by `serve` and `router` (`seconds`: the CLI's parser of a
+    positive number of seconds)."""
+    p.add_argument("--graceful-shutdown-timeout", type=int, default=30,
+                   help="seconds SIGTERM waits for running requests to finish (default: 30)")
+    p.add_argument("--client-timeout", type=seconds, default=30.0,
+                   help="seconds a client has to send a request's head, and again its body (default: 30)")
+    p.add_argument("--max-connections", type=int, default=2048,
+                   help="open connections beyond which new ones are closed at once (default: 2048)")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="largest request body, declared or chunked (default: 8 MiB)")
+    p.add_argument("--uvicorn-log-level", default="warning")
+
+
 def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
     """uvicorn's h11 protocol class with these bounds (pass as uvicorn.Config(http=...))."""
     if not head_timeout > 0:
