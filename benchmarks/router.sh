@@ -4,14 +4,14 @@
 #            round_robin vs least_load vs cache_aware, on (a) 40 MT-Bench two-turn conversations (answers to
 #            EOS or 128 tokens), (b) N requests over PROMPTS tenants' ~1,000-token system prompts + MT-Bench
 #            questions (answers 16-96 tokens); 8 clients; fresh replicas (cold caches) for every run
-#            -> results/router_policy.jsonl
+#            -> results/router_policy.jsonl (MODES, POLICIES, POLICY_OUT narrow it: a repeat of one workload)
 #  overhead: one replica (2 threads): 200 one-token requests alternating direct / through the router
 #            (results/router_latency.jsonl), then `tokenmill bench serve` at 1 and 16 streams, direct vs
 #            through the router, alternated REPS times -> results/router_overhead.jsonl
 #  dp:       `serve --threads 2` vs `serve --data-parallel-size 2` (1 thread per replica, pinned to its core)
 #            vs the same 2 replicas both pinned to core 0, 16 streams, REPS times -> results/router_dp.jsonl
 source "$(dirname "$0")/common.sh"
-PART=${PART:-all}; REPS=${REPS:-2}; KV_MIB=${KV_MIB:-160}; PROMPTS=${PROMPTS:-8}; N=${N:-64}
+PART=${PART:-all}; REPS=${REPS:-2}; MODES=${MODES:-mtbench system}; POLICIES=${POLICIES:-round_robin least_load cache_aware}; KV_MIB=${KV_MIB:-160}; PROMPTS=${PROMPTS:-8}; N=${N:-64}
 MT=$SHARED/data/mt_bench/question.jsonl
 A=http://127.0.0.1:8031; B=http://127.0.0.1:8032; R=http://127.0.0.1:8030
 
@@ -24,9 +24,9 @@ replicas() {  # extra serve flags...: two pinned 1-thread replicas on :8031 and 
 }
 
 if [ "$PART" = all ] || [ "$PART" = policy ]; then
-  out=$RESULTS/router_policy.jsonl; : > "$out"
-  for mode in mtbench system; do
-    for policy in round_robin least_load cache_aware; do
+  out=$RESULTS/${POLICY_OUT:-router_policy.jsonl}; : > "$out"
+  for mode in $MODES; do
+    for policy in $POLICIES; do
       replicas --kv-cache-memory "${KV_MIB}MiB"
       "$TM" --log-level WARNING router --port 8030 --policy $policy --replica $A --replica $B &
       rp=$!; wait_health $R

@@ -16,7 +16,7 @@ one replica; then the least-loaded one wins). A prompt nobody holds goes to the 
 round-robin order that is within the threshold of the least loaded: placing those by least load
 instead sends each new request to the replica that has just finished one, so arrivals that follow
 completions (every closed-loop client, every chat turn) bunch onto one replica and queue behind each
-other's prefills (measured: first turns' TTFT 1.2× round-robin's; benchmarks/RESULTS.md).
+other's prefills (measured in benchmarks/RESULTS.md §1).
 """
 from __future__ import annotations
 
