@@ -147,7 +147,7 @@ def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memo
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.api import ServerConfig, build_app
     from tokenmill.server.metrics import Metrics
-    from tokenmill.server.transport import bounded_h11
+    from tokenmill.server.transport import bounded_http
 
     engine = LLMEngine(EngineConfig.from_kwargs(kv_cache_memory=kv_cache_memory, max_model_len=max_model_len,
                                                 max_num_seqs=64))
@@ -164,7 +164,7 @@ def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           http=bounded_h11(30.0, 4096)))
+                                           http=bounded_http(30.0, 4096)))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

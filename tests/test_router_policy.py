@@ -7,7 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenmill.cli import build_parser
 from tokenmill.router.app import RouterConfig, routing_key
 from tokenmill.router.cli import replica_argv
-from tokenmill.router.launcher import core_sets, parse_cores
+from tokenmill.cpus import core_sets, parse_cores
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Policy, PrefixIndex, chunk_keys
 

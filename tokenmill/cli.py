@@ -119,7 +119,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.api import ServerConfig, build_app
     from tokenmill.server.metrics import Metrics
-    from tokenmill.server.transport import bounded_h11
+    from tokenmill.server.transport import front_door
 
     for flag in ("max_queue_len", "max_connections", "max_request_bytes"):
         if getattr(args, flag) < 1:
@@ -127,6 +127,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for origin in args.allowed_origins or []:
         if origin != "*" and not origin.startswith(("http://", "https://")) or origin.endswith("/"):
             raise ValueError(f"--allowed-origins takes origins like https://app.example.com (or *), got {origin!r}.")
+    door = front_door(args)  # its flags checked before the model loads
     keys = _api_keys(args)
     if args.cache_salt_from_api_key and not keys:
         raise ValueError("--cache-salt-from-api-key needs API keys (--api-key or TOKENMILL_API_KEY).")
@@ -136,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tokenmill.router.cli import serve_data_parallel
         return serve_data_parallel(args, keys)
     if args.cpu_cores:
-        from tokenmill.router.launcher import parse_cores
+        from tokenmill.cpus import parse_cores
         try:
             os.sched_setaffinity(0, parse_cores(args.cpu_cores))
         except OSError as e:
@@ -166,9 +167,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
-    http = bounded_h11(head_timeout=args.client_timeout, max_connections=args.max_connections)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                                           timeout_graceful_shutdown=args.graceful_shutdown_timeout, http=http,
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **door,
                                            timeout_keep_alive=args.timeout_keep_alive))
     # the engine died: uvicorn drains and the process exits 1 (also if it died before this line)
     client.on_dead = lambda _: setattr(server, "should_exit", True)

@@ -63,11 +63,9 @@ def cmd_router(args: argparse.Namespace, keys: list[str]) -> int:
 def _run(app, args: argparse.Namespace) -> None:
     import uvicorn
 
-    from tokenmill.server.transport import bounded_h11
+    from tokenmill.server.transport import front_door
 
-    http = bounded_h11(head_timeout=args.client_timeout, max_connections=args.max_connections)
-    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, http=http,
-                                  timeout_graceful_shutdown=args.graceful_shutdown_timeout)).run()
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **front_door(args))).run()
 
 
 # serve flags the parent keeps (the replicas get their own values) or hands over another way
@@ -80,7 +78,8 @@ def serve_data_parallel(args: argparse.Namespace, keys: list[str]) -> int:
     budget, behind a router on --host:--port; SIGTERM drains the router, then the replicas."""
     from tokenmill.config import CPU_KV_CACHE_BYTES, parse_bytes
     from tokenmill.router.app import RouterConfig, build_router
-    from tokenmill.router.launcher import Launcher, parse_cores
+    from tokenmill.cpus import parse_cores
+    from tokenmill.router.launcher import Launcher
 
     n = args.data_parallel_size
     cores = parse_cores(args.cpu_cores) if args.cpu_cores else sorted(os.sched_getaffinity(0))

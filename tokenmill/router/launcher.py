@@ -19,35 +19,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from tokenmill.cpus import core_sets
+
 log = logging.getLogger("tokenmill.router")
-
-
-def core_sets(cores: list[int], n: int) -> list[list[int]]:
-    """Contiguous shares of the cores (neighbours share caches); with fewer cores than replicas,
-    replicas share cores round-robin."""
-    if len(cores) < n:
-        return [[cores[i % len(cores)]] for i in range(n)]
-    base, extra = divmod(len(cores), n)
-    out, start = [], 0
-    for i in range(n):
-        size = base + (1 if i < extra else 0)
-        out.append(cores[start:start + size])
-        start += size
-    return out
-
-
-def parse_cores(text: str) -> list[int]:
-    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11] (the format of taskset and /sys cpulists)."""
-    cores: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            cores.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise ValueError(f"--cpu-cores takes a list like 0-3,8 , got {text!r}.") from None
-    if not cores or min(cores) < 0:
-        raise ValueError(f"--cpu-cores takes a list like 0-3,8 , got {text!r}.")
-    return sorted(set(cores))
 
 
 def free_port() -> int:

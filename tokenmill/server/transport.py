@@ -4,17 +4,28 @@ cap on open connections.
 uvicorn closes a keep-alive connection that stays idle after a response, but not a connection that
 never sends anything, nor one that sends its request line and headers a byte at a time (slowloris):
 either holds a socket, and a slot of any concurrency limit, for as long as the client likes. This
-subclass of uvicorn's h11 protocol gives every request head `head_timeout` seconds from its first
+subclass of uvicorn's HTTP protocol gives every request head `head_timeout` seconds from its first
 byte (from the connection's start for the first) and closes connections beyond `max_connections`
 as they open. Bodies get their deadline and size cap in the app's middleware (guard.Guard).
+
+The protocol is uvicorn's httptools one (llhttp, a C parser) where httptools is installed, else its
+h11 one (pure Python): parsing the request and framing the response in Python costs the router a
+measurable part of what it adds to a request. Both keep `cycle` (the request in progress), which is
+all the bounds need.
 """
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import time
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is optional: uvicorn's h11 protocol does the same, slower
+    HttpToolsProtocol = None
 
 log = logging.getLogger("tokenmill.server")
 
@@ -31,19 +42,43 @@ def add_arguments(p, seconds) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 << 20,
                    help="largest request body, declared or chunked (default: 8 MiB)")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--http-parser", choices=("auto", "httptools", "h11"), default="auto",
+                   help="the front door's HTTP/1.1 parser: httptools (C) or h11 (pure Python); "
+                        "auto: httptools where installed")
+    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
+                   help="the front door's event loop: auto: uvloop where installed")
 
 
-def bounded_h11(head_timeout: float, max_connections: int) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with these bounds (pass as uvicorn.Config(http=...))."""
+def front_door(args) -> dict:
+    """uvicorn.Config keyword arguments for the flags add_arguments defines."""
+    if args.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise ValueError("--event-loop uvloop needs the uvloop package (pip install uvloop).")
+    return {"http": bounded_http(args.client_timeout, args.max_connections, args.http_parser),
+            "loop": args.event_loop, "log_level": args.uvicorn_log_level,
+            "timeout_graceful_shutdown": args.graceful_shutdown_timeout}
+
+
+def bounded_http(head_timeout: float, max_connections: int, parser: str = "auto") -> type:
+    """uvicorn's HTTP protocol class with these bounds (pass as uvicorn.Config(http=...)); `parser`
+    is "httptools", "h11" or "auto" (httptools where installed)."""
     if not head_timeout > 0:
         raise ValueError(f"the request head timeout must be positive, got {head_timeout}.")
     if max_connections < 1:
         raise ValueError(f"the connection limit must be at least 1, got {max_connections}.")
-    return type("BoundedH11Protocol", (_BoundedH11,), {"head_timeout": float(head_timeout),
-                                                      "max_connections": int(max_connections)})
+    if parser == "auto":
+        parser = "h11" if HttpToolsProtocol is None else "httptools"
+    if parser == "httptools" and HttpToolsProtocol is None:
+        raise ValueError("the httptools parser needs the httptools package (pip install httptools).")
+    if parser not in ("h11", "httptools"):
+        raise ValueError(f"unknown HTTP parser {parser!r}: expected auto, httptools or h11.")
+    base = H11Protocol if parser == "h11" else HttpToolsProtocol
+    return type(f"Bounded{base.__name__}", (_Bounds, base), {"head_timeout": float(head_timeout),
+                                                           "max_connections": int(max_connections)})
 
 
-class _BoundedH11(H11Protocol):
+class _Bounds:
+    """Mixed in before one of uvicorn's HTTP protocol classes (which provides connections, cycle,
+    loop and transport)."""
     head_timeout = 30.0
     max_connections = 2048
     _last_warning = 0.0  # refusals are logged at most once a minute (they come in floods)
@@ -53,8 +88,8 @@ class _BoundedH11(H11Protocol):
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
             now = time.monotonic()
-            if now - _BoundedH11._last_warning > 60:
-                _BoundedH11._last_warning = now
+            if now - _Bounds._last_warning > 60:
+                _Bounds._last_warning = now
                 log.warning("refusing connections beyond --max-connections %d", self.max_connections)
             transport.close()
             return
