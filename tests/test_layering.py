@@ -20,6 +20,8 @@ RULES = {
     # the router is an HTTP client of replicas: nothing of the engine, nor the server's engine-facing app
     "router": ("torch", "tokenmill.engine", "tokenmill.runner", "tokenmill.layers", "tokenmill.models",
                "tokenmill.core", "tokenmill.server.api", "tokenmill.sampling"),
+    # the ranks' plumbing sits below the engine: it builds runners and models, never the engine or a server
+    "distributed": ("tokenmill.engine", "tokenmill.server", "tokenmill.router"),
     # the native kernels are a leaf: arithmetic and layouts, nothing of tokenmill above them
     "kernels": ("tokenmill.",),
 }

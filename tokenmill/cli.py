@@ -9,11 +9,11 @@ import os
 import sys
 from dataclasses import MISSING, fields
 
-from tokenmill.config import CacheConfig, ModelConfig, SchedulingConfig
+from tokenmill.config import CacheConfig, ModelConfig, ParallelConfig, SchedulingConfig
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    for cls in (ModelConfig, CacheConfig, SchedulingConfig):
+    for cls in (ModelConfig, CacheConfig, SchedulingConfig, ParallelConfig):
         for f in fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
@@ -37,7 +37,7 @@ def _scalar_type(annotation) -> type:
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
-    names = {f.name for cls in (ModelConfig, CacheConfig, SchedulingConfig) for f in fields(cls)}
+    names = {f.name for cls in (ModelConfig, CacheConfig, SchedulingConfig, ParallelConfig) for f in fields(cls)}
     return {k: v for k, v in vars(args).items() if k in names}
 
 

@@ -185,17 +185,42 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = field(default=1, metadata=_help(
+        "processes one model is split across (tensor parallelism: heads, MLP channels and vocabulary sharded, "
+        "two all-reduces per layer). On CPU each rank is pinned to its share of the cores (--threads: per rank), "
+        "within one NUMA node where the ranks divide among the nodes; --kv-cache-memory is per rank. README: "
+        "Tensor parallelism"))
+    distributed_executor_backend: str = field(default="mp", metadata=_help(
+        "mp | ray: the worker ranks as local processes (mp), or as Ray actors in a placement group, so a model "
+        "can span the hosts of a Ray cluster (needs `pip install tokenmill[ray]`)"))
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}.")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {list(EXECUTOR_BACKENDS)}, "
+                             f"got {self.distributed_executor_backend!r}.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Flat keyword arguments (as `LLM(...)` and the CLI take them) -> nested config."""
         parts = {}
-        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig)):
+        for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig),
+                          ("parallel", ParallelConfig)):
             names = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:

@@ -178,11 +178,13 @@ class AsyncEngine:
         except Exception as e:  # noqa: BLE001 - whatever breaks the loop fails requests, never hangs them
             log.exception("engine step failed; the engine stops")
             self._dead = e
-            self._fail_all(EngineDeadError("the engine has stopped after an internal error"))
+            self._fail_all(EngineDeadError(f"the engine has stopped after an internal error{_cause(e)}"))
+            self.engine.shutdown()
             if self.on_dead is not None:
                 self.on_dead(e)
             return
         self._fail_all(EngineDeadError("the engine is shutting down"))
+        self.engine.shutdown()
 
     def _turn(self) -> None:
         """One pass of the engine thread: commands, time limits, then a step if there is work."""
@@ -191,6 +193,7 @@ class AsyncEngine:
         if self._deadlines:
             self._expire(time.monotonic())
         if not engine.has_unfinished_requests():
+            engine.check_health()  # a lost tensor-parallel rank stops an idle engine too
             self._wake.wait(timeout=1.0)
             self._wake.clear()
             return
@@ -271,6 +274,13 @@ class AsyncEngine:
         for loop, out_q in self._streams.values():
             loop.call_soon_threadsafe(out_q.put_nowait, err)
         self._streams.clear()
+
+
+def _cause(e: BaseException) -> str:
+    """What a client may read of the error that stopped the engine: a lost tensor-parallel rank
+    says so; anything else stays in the server's log."""
+    from tokenmill.distributed.errors import WorkerDiedError
+    return f": {e}" if isinstance(e, WorkerDiedError) else ""
 
 
 def _settle(future: concurrent.futures.Future, error: BaseException | None = None) -> None:

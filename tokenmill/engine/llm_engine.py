@@ -48,13 +48,29 @@ class LLMEngine:
         self.config = config
         self.model_path = mc.model or default_model_path()
         self.device = resolve_device(mc.device)
-        if mc.threads is not None:  # process-wide: ATen's pool, which the CPU kernels share
+        # tensor parallelism: workers started and this process pinned as rank 0 before anything loads
+        self.executor = None
+        if config.parallel.tensor_parallel_size > 1:
+            from tokenmill.distributed import executor
+            self.executor = executor.start(config)
+        elif mc.threads is not None:  # process-wide: ATen's pool, which the CPU kernels share
             torch.set_num_threads(mc.threads)
+        try:
+            self._build(config)
+        except BaseException as e:
+            if self.executor is not None:
+                self.executor.abandon(f"{type(e).__name__}: {e}")
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        mc, cc, sc = config.model, config.cache, config.scheduling
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
+        tp_group = None if self.executor is None else self.executor.group
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
                              quantization=mc.quantization, group_size=mc.quantization_group_size,
-                             keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits)
+                             keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits,
+                             tp_group=tp_group)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.activation_bits = loaded.activation_bits
         self.dtype = next(loaded.model.parameters()).dtype
@@ -70,9 +86,12 @@ class LLMEngine:
             draft = proposers.load_draft(spec, loaded, mc.dtype, self.device)
         # a draft model's cache holds as many blocks as the target's, inside the same budget
         draft_block_bytes = 0 if draft is None else kv_cache.bytes_per_block(draft.arch, cc.block_size, self.kv_dtype)
-        num_blocks, budget = kv_cache.num_blocks_for(self.arch, cc.block_size, self.kv_dtype, self.device,
+        # per rank: rank 0 holds the largest share of the KV heads, every rank the same block ids
+        num_blocks, budget = kv_cache.num_blocks_for(loaded.model.cfg, cc.block_size, self.kv_dtype, self.device,
                                                      cc.kv_cache_memory, cc.gpu_memory_utilization,
                                                      draft_block_bytes)
+        if self.executor is not None:
+            self.executor.handshake(num_blocks)
         self.block_size = cc.block_size
         proposer = None if spec is None else proposers.build(spec, draft, num_blocks, cc.block_size, self.device,
                                                              self.kv_dtype, cc.enable_prefix_caching)
@@ -202,7 +221,7 @@ class LLMEngine:
         if not sched and not sched.finished_req_ids:
             return []
         self._mark_scheduled(sched)
-        result = self.runner.execute(sched)
+        result = self._execute(sched)
         advanced = self.scheduler.update(sched, result)
         self.last_stats = self.scheduler.stats
         outputs = self._process(advanced)
@@ -214,7 +233,20 @@ class LLMEngine:
         it now, so their sampling state (and a draft model's KV blocks) do not wait for the next
         request."""
         if not self.scheduler.has_unfinished() and self.scheduler.has_finished_to_report():
-            self.runner.execute(self.scheduler.schedule())
+            self._execute(self.scheduler.schedule())
+
+    def _execute(self, sched):
+        return self.runner.execute(sched) if self.executor is None else self.executor.execute(self.runner, sched)
+
+    def check_health(self) -> None:
+        """Raises if the engine can no longer run (a tensor-parallel rank died); called while idle."""
+        if self.executor is not None:
+            self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the worker ranks, if any (the engine is unusable afterwards)."""
+        if self.executor is not None:
+            self.executor.close()
 
     def _mark_scheduled(self, sched) -> None:
         now = time.monotonic()

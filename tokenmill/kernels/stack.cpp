@@ -7,11 +7,14 @@
 // in the same order on the same values, so a decode step gives identical numbers either way
 // (tests/test_decode_stack.py). Steps that carry prompt tokens keep the Python layers, where
 // the per-call cost is spread over many tokens.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 
+#include <string>
 #include <vector>
 
 #include "ops.h"
+#include "shm.h"
 
 namespace tokenmill {
 namespace {
@@ -77,6 +80,20 @@ void store_rows(const float* k, const float* v, int64_t ldk, int64_t ldv, const 
   }
 }
 
+// Sums t over the ranks of a tensor-parallel group, in place, through the dispatcher's c10d
+// functional ops (the group found by the name torch.distributed registered it under), so the
+// kernels need no link to c10d. As TPGroup.all_reduce does from Python.
+void all_reduce_(at::Tensor& t, const std::string& group) {
+  // called boxed: the group argument's declared type changed across PyTorch releases (str, then Any)
+  static const c10::OperatorHandle reduce =
+      c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::all_reduce_", "");
+  static const c10::OperatorHandle wait = c10::Dispatcher::singleton().findSchemaOrThrow("_c10d_functional::wait_tensor", "");
+  std::vector<c10::IValue> stack{t, std::string("sum"), group};
+  reduce.callBoxed(&stack);
+  stack = {t};
+  wait.callBoxed(&stack);
+}
+
 class DecodeStack : public torch::CustomClassHolder {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
@@ -112,6 +129,14 @@ class DecodeStack : public torch::CustomClassHolder {
     Layer& L = layers_.back();
     L.num_experts = router.size(0), L.top_k = top_k, L.norm_topk = norm_topk, L.router = router.contiguous();
     if (shared_gate) L.shared_gate = shared_gate->contiguous();
+  }
+
+  // One rank of a tensor-parallel group: the o and down projections hold a slice of their inputs,
+  // and their partial outputs are summed across the group before joining the residual stream.
+  // `shm`: the ranks share this host's memory (the fast path); else the group's c10d all-reduce.
+  void set_tensor_parallel(c10::optional<c10::intrusive_ptr<ShmAllReduce>> shm, std::string group) {
+    tp_shm_ = shm ? *shm : nullptr;
+    tp_group_ = std::move(group);
   }
 
   // Appends the last layer's next projection, in the order qkv, o, gate_up, down (or the experts').
@@ -173,14 +198,16 @@ class DecodeStack : public torch::CustomClassHolder {
                    L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>());
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_, L.window);
-      const at::Tensor a = L.proj[1](o.view({B, hq_ * d_}));
+      at::Tensor a = L.proj[1](o.view({B, hq_ * d_}));
+      reduce(a);
       add_into(h, L.attn_out_norm.defined() ? rms_norm(a, L.attn_out_norm, eps_) : a);
       if (L.num_experts) {
         add_into(h, experts(L, rms_norm(h, L.post_norm, eps_)));
         continue;
       }
       const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
-      const at::Tensor m = L.proj[3](activation(gu));
+      at::Tensor m = L.proj[3](activation(gu));
+      reduce(m);
       add_into(h, L.mlp_out_norm.defined() ? rms_norm(m, L.mlp_out_norm, eps_) : m);
     }
     return h;
@@ -188,6 +215,14 @@ class DecodeStack : public torch::CustomClassHolder {
 
  private:
   int64_t hidden() const { return layers_.back().in_norm.numel(); }
+
+  // A row-parallel projection's partial output summed over the tensor-parallel ranks (if any).
+  void reduce(at::Tensor& t) const {
+    if (tp_shm_)
+      tp_shm_->all_reduce_(t);
+    else if (!tp_group_.empty())
+      all_reduce_(t, tp_group_);
+  }
 
   // As SparseMoE.forward: softmax router, top k, optional renormalisation; (token, slot) pairs
   // grouped by expert; each chosen expert runs once on its tokens, scaled and added in expert order;
@@ -236,16 +271,25 @@ class DecodeStack : public torch::CustomClassHolder {
   int64_t hq_, hkv_, d_, inter_, act_;
   double eps_, scale_;
   std::vector<Layer> layers_;
+  std::string tp_group_;  // empty (and no tp_shm_): one process holds the whole model
+  c10::intrusive_ptr<ShmAllReduce> tp_shm_;
 };
 
 }  // namespace
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  // first: DecodeStack.set_tensor_parallel names this type, which must be registered by then
+  m.class_<tokenmill::ShmAllReduce>("ShmAllReduce")
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, double>())
+      .def("all_reduce_", &tokenmill::ShmAllReduce::all_reduce_)
+      .def("abort", &tokenmill::ShmAllReduce::abort)
+      .def_static("bytes_needed", &tokenmill::ShmAllReduce::bytes_needed);
   m.class_<tokenmill::DecodeStack>("DecodeStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, double>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("add_projection", &tokenmill::DecodeStack::add_projection)
       .def("set_moe", &tokenmill::DecodeStack::set_moe)
+      .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
       .def("forward", &tokenmill::DecodeStack::forward);
 }

@@ -37,6 +37,9 @@ class Linear(nn.Module):
         self._input_perms: dict[str | None, torch.Tensor | None] = {}
         self.quantized_source = False  # some shard was stored quantized in the checkpoint
         self.keep_float = False  # never quantized: MoE routers (tiny, and they decide which experts run)
+        # row-parallel under tensor parallelism (distributed/tensor_parallel.py): the ranks' partial
+        # outputs are summed by this group's all-reduce before the bias is added (once)
+        self.tp_group = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None,
                       int4_parts: tuple | None = None, int8_parts: tuple | None = None,
@@ -101,15 +104,21 @@ class Linear(nn.Module):
         return all(p is first or (p is not None and first is not None and torch.equal(p, first)) for p in rest)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_group is None:
+            return self._matmul(x, self.bias)
+        y = self.tp_group.all_reduce(self._matmul(x, None))
+        return y if self.bias is None else y + self.bias
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q = self.qweight
         if q is None:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         if self.float_weight is not None and x.numel() > FLOAT_MIN_ROWS * self.in_features:
-            return F.linear(x, self.float_weight, self.bias)
+            return F.linear(x, self.float_weight, bias)
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         y = int4.matmul(x, q) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q)
-        return y if self.bias is None else y + self.bias
+        return y if bias is None else y + bias
 
 
 class FusedLinear(Linear):

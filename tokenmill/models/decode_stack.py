@@ -39,6 +39,8 @@ def build(model: CausalLM) -> object | None:
     cfg = model.cfg
     stack = torch.classes.tokenmill.DecodeStack(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
                                                 cfg.rms_norm_eps, _ACTS[cfg.hidden_act], model.attention_layers()[0].scale)
+    if model.tp_group is not None:
+        stack.set_tensor_parallel(model.tp_group.shm, model.tp_group.name)
     for layer in model.model.layers:
         sa = layer.self_attn
         qk = (sa.q_norm.factor(), sa.k_norm.factor()) if sa.qk_norm else (None, None)
@@ -95,6 +97,9 @@ def _unsupported(model: CausalLM) -> str | None:
     embed = model.model.embed_tokens.weight
     if embed.device.type != "cpu" or embed.dtype != torch.float32:
         return f"the model runs in {embed.dtype} on {embed.device.type} (the stack takes float32 on CPU)"
+    if model.tp_group is not None and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
+                                          for layer in model.model.layers):
+        return "a row-parallel projection with a bias (added after the all-reduce, which the stack does not)"
     attn = model.attention_layers()[0]
     if attn.k_cache is None or not kernels.supports_attention(torch.float32, attn.k_cache, attn.num_heads):
         return "the KV cache is not one the decode attention kernel reads"

@@ -132,10 +132,17 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     """Weight names follow Hugging Face (`model.layers.N...`) minus the q/k/v and gate/up split,
-    which `load_weights` maps onto the fused layers."""
+    which `load_weights` maps onto the fused layers.
 
-    def __init__(self, cfg: ArchConfig) -> None:
+    With `tp` (a ShardPlan and the rank's TPGroup, distributed/tensor_parallel.py) the module is
+    one rank's shard: `cfg` is then the rank's share of the model (its heads, MLP channels and
+    vocabulary rows), the row-parallel projections all-reduce, and only rank 0 gets logits."""
+
+    def __init__(self, cfg: ArchConfig, tp: tuple | None = None) -> None:
         super().__init__()
+        self.plan, self.tp_group = tp if tp is not None else (None, None)
+        if self.plan is not None:
+            cfg = self.plan.local_arch(cfg)
         self.cfg = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -149,6 +156,20 @@ class CausalLM(nn.Module):
         self.tied_head_q: int8.Int8Weight | None = None  # int8 copy of a tied embedding for the output
         self.quantized_sources: set[str] = set()         # parameters stored quantized in the checkpoint
         self.decode_stack = None  # all layers as one native call for decode steps (models/decode_stack.py)
+        if self.tp_group is not None:
+            for layer in self.model.layers:
+                layer.self_attn.o_proj.tp_group = layer.mlp.down_proj.tp_group = self.tp_group
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(T,) ids -> (T, hidden); a vocabulary-parallel rank looks up the ids in its rows, zeros
+        for the rest, and the all-reduce assembles every row."""
+        if self.plan is None:
+            return self.model.embed_tokens(input_ids)
+        first, count = self.plan.vocab
+        local = input_ids - first
+        outside = (local < 0) | (local >= count)
+        h = self.model.embed_tokens(local.clamp(0, count - 1)).masked_fill_(outside[:, None], 0.0)
+        return self.tp_group.all_reduce(h)
 
     def ropes(self, positions: torch.Tensor, seq_lens: torch.Tensor | None = None) -> Ropes:
         """cos/sin of every rotary the layers use, for the step's positions (see layers/rotary.py
@@ -158,7 +179,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
-        h = self.model.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         if self.cfg.embed_scale:
             h = h * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
         meta = get_forward_context()
@@ -175,14 +196,20 @@ class CausalLM(nn.Module):
                 h = layer(ropes, h)
         return self.model.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) -> (N, vocab) float32 logits; callers pass only the rows they sample.
+        Tensor-parallel: every rank computes its vocabulary rows' logits, rank 0 gets them all
+        and the other ranks None."""
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         elif self.tied_head_q is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
             logits = int8.matmul(hidden, self.tied_head_q).float()
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        if self.plan is not None:
+            logits = self.tp_group.gather_vocab(logits, self.plan)
+            if logits is None:
+                return None
         cap = self.cfg.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -275,26 +302,34 @@ def load_weights(model: CausalLM, weights) -> None:
         param = params[target]
         if name.endswith("bias"):
             extra = {}
-        module = modules[".".join(parts[:-1])]
+        owner = ".".join(parts[:-1])
+        module = modules[owner]
         loader = getattr(module, "weight_loader", None)
         tensor = tensor.to(param.dtype)
         shards = getattr(module, "shard_offsets", None)
         if shard is None and shards and loader is not None:
-            # fused in the checkpoint too (Phi-3's qkv_proj, gate_up_proj): split by our shards' rows
-            if tensor.shape[0] != sum(size for _, size in shards.values()):
+            # fused in the checkpoint too (Phi-3's qkv_proj, gate_up_proj): split by the shards' full rows
+            sizes = model.plan.full[parts[-2]] if model.plan is not None else {k: n for k, (_, n) in shards.items()}
+            if tensor.shape[0] != sum(sizes.values()):
                 raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model "
                                  f"{tuple(param.shape)}")
-            for sh, (start, size) in shards.items():
-                loader(param, tensor[start:start + size], sh, **_rows_of(extra, start, size))
-                filled.add(f"{target}:{sh}")
-            continue
-        if loader is not None:
-            loader(param, tensor, shard, **extra)
-        elif param.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+            pieces, start = [], 0
+            for sh, size in sizes.items():
+                pieces.append((sh, tensor[start:start + size], _rows_of(extra, start, size)))
+                start += size
         else:
-            param.data.copy_(tensor)
-        filled.add(f"{target}:{shard}")
+            pieces = [(shard, tensor, extra)]
+        for sh, piece, piece_extra in pieces:
+            if model.plan is not None:  # this rank's slice (distributed/tensor_parallel.py)
+                piece, piece_extra = model.plan.slice_weight(owner, parts[-1], sh, piece, piece_extra)
+            if loader is not None:
+                loader(param, piece, sh, **piece_extra)
+            elif param.shape != piece.shape:
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(piece.shape)} vs model "
+                                 f"{tuple(param.shape)}")
+            else:
+                param.data.copy_(piece)
+            filled.add(f"{target}:{sh}")
     expected = set()
     for pname, _ in model.named_parameters():
         mod = modules[pname.rsplit(".", 1)[0]]

@@ -33,15 +33,17 @@ class LoadedModel:
 
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
          quantization: str = "auto", group_size: int = 32, keep_float: bool = False,
-         activation_bits: int | str = "auto") -> LoadedModel:
-    """`quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
+         activation_bits: int | str = "auto", tp_group=None) -> LoadedModel:
+    """`tp_group`: this process is one rank of a tensor-parallel group (distributed/tensor_parallel
+    TPGroup): the model built is the rank's shard, each tensor sliced as it is read.
+    `quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
     checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels run on
     CPU; on other devices weights stay in the model dtype. `activation_bits`: see ModelConfig."""
     if quantization not in QUANT_POLICIES:
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
     if activation_bits != "auto" and activation_bits not in kernels.ACT_BITS:
         raise ValueError(f"activation_bits must be auto, 8 or 16, got {activation_bits!r}.")
-    loaded = _load(path, dtype, device, load_tokenizer, quantization)
+    loaded = _load(path, dtype, device, load_tokenizer, quantization, tp_group)
     if device.type != "cpu":
         quantization = "none"
     if activation_bits == "auto":
@@ -51,22 +53,23 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
     return loaded
 
 
-def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str) -> LoadedModel:
+def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str,
+          tp_group=None) -> LoadedModel:
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist.")
     if os.path.isfile(path):
         if not is_gguf(path):
             raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory.")
         _refuse_prequant(quantization, None, path)
-        return _load_gguf(path, dtype, device, load_tokenizer)
+        return _load_gguf(path, dtype, device, load_tokenizer, tp_group)
     if not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) == 1:
             _refuse_prequant(quantization, None, path)
-            return _load_gguf(ggufs[0], dtype, device, load_tokenizer)
+            return _load_gguf(ggufs[0], dtype, device, load_tokenizer, tp_group)
         raise ValueError(f"{path} has no config.json (and not exactly one .gguf file); "
                          "point --model at a Hugging Face model directory or a .gguf file.")
-    return _load_hf(path, dtype, device, load_tokenizer, quantization)
+    return _load_hf(path, dtype, device, load_tokenizer, quantization, tp_group)
 
 
 def _refuse_prequant(quantization: str, found: str | None, path: str) -> None:
@@ -130,19 +133,24 @@ def check_declared_sizes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], s
                          f"file is corrupt or incomplete, or its configuration belongs to another model.")
 
 
-def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator) -> CausalLM:
+def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator, tp_group=None) -> CausalLM:
+    tp = None
+    if tp_group is not None:
+        from tokenmill.distributed.tensor_parallel import ShardPlan
+        tp = (ShardPlan.for_rank(arch, tp_group.rank, tp_group.size), tp_group)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(arch)
+            model = CausalLM(arch, tp)
     finally:
         torch.set_default_dtype(prev)
     load_weights(model, weights)
     return model.eval()
 
 
-def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str) -> LoadedModel:
+def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str,
+             tp_group=None) -> LoadedModel:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         try:
             cfg = json.load(f)
@@ -162,7 +170,7 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, 
     _refuse_prequant(quantization, prequant.method if prequant else None, path)
     if prequant is not None:
         weights = hf_quant.convert(weights, prequant)
-    model = _build(arch, resolve_dtype(dtype, src, device), device, weights)
+    model = _build(arch, resolve_dtype(dtype, src, device), device, weights, tp_group)
     tok = Tokenizer.from_hf_dir(path) if load_tokenizer else None
     return LoadedModel(model, arch, tok)
 
@@ -195,7 +203,7 @@ def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
             raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from None
 
 
-def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool) -> LoadedModel:
+def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, tp_group=None) -> LoadedModel:
     g = GGUFFile(path)
     arch = ArchConfig.from_gguf(g.meta, g.vocab_size(), has_output="output.weight" in g.tensors,
                                 rope_factors=g.rope_factors(), dense_layers=g.dense_layers())
@@ -203,6 +211,6 @@ def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool
         raise ValueError(f"{path} has no token_embd.weight tensor; the file is incomplete.")
     check_declared_sizes(arch, g.hf_shapes(), path)
     model = _build(arch, resolve_dtype(dtype, torch.float32, device), device,
-                   g.hf_weights(arch.num_heads, arch.num_kv_heads))
+                   g.hf_weights(arch.num_heads, arch.num_kv_heads), tp_group)
     tok = Tokenizer.from_gguf(g.meta) if load_tokenizer else None
     return LoadedModel(model, arch, tok)
