@@ -129,6 +129,8 @@ def test_tp2_default_gguf_with_prefix_cache_and_preemption(default_model):
     kw = dict(activation_bits=16, kv_cache_memory="4500KiB", max_num_seqs=6)  # ~12-18 of the 36 blocks needed
     ref, ref_engine = run(default_model, 1, prompts, params, **kw)
     got, engine = run(default_model, 2, prompts, params, **kw)
+    # the fast paths ran: the native decode stack (its all-reduces in C++) and shared memory
+    assert engine.runner.model.decode_stack is not None and engine.executor.group.shm is not None
     for e in (ref_engine, engine):
         assert e.scheduler.num_preemptions > 0 and e.block_manager.num_hits >= 5 * 32
     assert_same(ref, got, None)

@@ -108,14 +108,6 @@ def handshake(group: TPGroup, status: dict) -> list[dict]:
     return out
 
 
-def broadcast(group: TPGroup, obj=None):
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group.group)
-    return box[0]
-
-
 def worker_main(spec: WorkerSpec, die_with_parent: bool = True) -> None:
     """A worker rank from start to STOP: join, load the shard, report, then run steps."""
     import torch.distributed as dist
@@ -137,7 +129,7 @@ def worker_main(spec: WorkerSpec, die_with_parent: bool = True) -> None:
             return
         runner = build(statuses[0]["num_blocks"])
         with torch.inference_mode():
-            while (msg := broadcast(group)) != STOP:
+            while (msg := group.broadcast()) != STOP:
                 if msg != PING:
                     runner.forward(msg)
     except Exception:  # noqa: BLE001 - rank 0 has gone or failed: nothing to serve
@@ -207,7 +199,7 @@ class Executor:
         with self._lock:
             self._check()
             try:
-                broadcast(self.group, sched)
+                self.group.broadcast(sched)
                 out = runner.execute(sched)
             except Exception as e:
                 time.sleep(0.2)  # a worker's death and the error it caused arrive together: name the cause
@@ -227,7 +219,7 @@ class Executor:
         if time.monotonic() - self._last > PING_EVERY_S and self._lock.acquire(blocking=False):
             try:
                 if not self._closed and self.failure is None:
-                    broadcast(self.group, PING)
+                    self.group.broadcast(PING)
                     self._last = time.monotonic()
             except Exception as e:  # noqa: BLE001 - reported through check_health
                 self.failure = f"a tensor-parallel rank stopped answering: {e}"
@@ -242,7 +234,7 @@ class Executor:
         self._closed = True
         if self._handshaken and self.failure is None and self._lock.acquire(timeout=30):
             try:
-                broadcast(self.group, STOP)
+                self.group.broadcast(STOP)
             except Exception:  # noqa: BLE001 - a worker already gone
                 pass
             finally:

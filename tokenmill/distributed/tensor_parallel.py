@@ -142,6 +142,7 @@ class ShardPlan:
 
 
 SHM_SLOT_BYTES = 4 << 20  # per rank and step of the shared-memory all-reduce; larger tensors go in chunks
+SHM_MSG_BYTES = 4 << 20   # a step's message from rank 0; a larger one goes over the group instead
 SHM_TIMEOUT_S = 600.0      # a rank that stays away this long mid-step fails the step
 
 
@@ -163,6 +164,26 @@ class TPGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast(self, obj=None):
+        """Rank 0's `obj` on every rank (pickled): through shared memory where the group has it
+        (an empty message there means "this one comes over the group": it was too large)."""
+        import pickle
+
+        import torch.distributed as dist
+        if self.shm is not None:
+            if self.rank == 0:
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                if self.shm.send(torch.frombuffer(bytearray(data), dtype=torch.uint8)):
+                    return obj
+                self.shm.send(torch.empty(0, dtype=torch.uint8))
+            else:
+                data = self.shm.receive()
+                if data.numel():
+                    return pickle.loads(data.numpy().tobytes())
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
     def abort(self) -> None:
         """Every rank's shared-memory wait fails from now on (a rank died)."""
         if self.shm is not None:
@@ -170,8 +191,15 @@ class TPGroup:
 
     def gather_vocab(self, local: torch.Tensor, plan: ShardPlan) -> torch.Tensor | None:
         """(N, this rank's vocabulary rows) logits -> (N, vocab) on rank 0, None on the others
-        (gloo gathers equal shapes: shares are padded to the largest, rank 0's)."""
+        (gloo gathers equal shapes: shares are padded to the largest, rank 0's). In shared memory
+        the gather is an all-reduce of each rank's rows placed in zeros: x + 0 is exact."""
         import torch.distributed as dist
+        if self.shm is not None and local.dtype == torch.float32 and local.device.type == "cpu":
+            first, count = plan.vocab
+            full = local.new_zeros(local.shape[0], sum(plan.vocab_widths))
+            full[:, first:first + count] = local
+            self.shm.all_reduce_(full)
+            return full if self.rank == 0 else None
         width = plan.vocab_widths[0]
         if local.shape[1] < width:
             local = torch.nn.functional.pad(local, (0, width - local.shape[1]))
@@ -205,10 +233,10 @@ def shared_memory_all_reduce(group, rank: int, size: int):
     if rank == 0:
         box[0] = f"/dev/shm/tokenmill-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with open(box[0], "wb") as f:
-            f.truncate(torch.classes.tokenmill.ShmAllReduce.bytes_needed(size, SHM_SLOT_BYTES))
+            f.truncate(torch.classes.tokenmill.ShmAllReduce.bytes_needed(size, SHM_SLOT_BYTES, SHM_MSG_BYTES))
     dist.broadcast_object_list(box, src=0, group=group)
     try:
-        shm = torch.classes.tokenmill.ShmAllReduce(box[0], rank, size, SHM_SLOT_BYTES, SHM_TIMEOUT_S)
+        shm = torch.classes.tokenmill.ShmAllReduce(box[0], rank, size, SHM_SLOT_BYTES, SHM_MSG_BYTES, SHM_TIMEOUT_S)
     finally:
         dist.barrier(group=group)  # every rank has mapped it: the name can go
         if rank == 0:

@@ -281,8 +281,10 @@ class DecodeStack : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   // first: DecodeStack.set_tensor_parallel names this type, which must be registered by then
   m.class_<tokenmill::ShmAllReduce>("ShmAllReduce")
-      .def(torch::init<std::string, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<std::string, int64_t, int64_t, int64_t, int64_t, double>())
       .def("all_reduce_", &tokenmill::ShmAllReduce::all_reduce_)
+      .def("send", &tokenmill::ShmAllReduce::send)
+      .def("receive", &tokenmill::ShmAllReduce::receive)
       .def("abort", &tokenmill::ShmAllReduce::abort)
       .def_static("bytes_needed", &tokenmill::ShmAllReduce::bytes_needed);
   m.class_<tokenmill::DecodeStack>("DecodeStack")
