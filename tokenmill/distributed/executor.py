@@ -2,16 +2,17 @@
 
 The engine process is rank 0: it schedules, runs its own shard and samples. Ranks 1..N-1 are
 workers that hold their shards and KV caches and wait for steps. Each step rank 0 broadcasts the
-SchedulerOutput (plain data) over the group, then every rank runs the same forward pass, meeting
-in the model's all-reduces; the logits gather on rank 0. The scheduler and block manager never
+SchedulerOutput (plain data; through shared memory when all ranks share a host, else over the
+group), then every rank runs the same forward pass, meeting in the model's all-reduces; the
+logits gather on rank 0. The scheduler and block manager never
 know how many ranks there are: every rank holds the same block ids, each for its own heads.
 
 Workers start as local processes (`mp`, this module) or Ray actors (ray_executor.py); either way
-they run `worker_main`. A worker that dies is noticed two ways: a collective in flight fails at
-once (its sockets close), and a watcher on the worker processes records the death so that an
-idle engine learns of it at its next health check (the server's /health then turns 503). While
-the engine is idle, rank 0 pings the workers so their wait for the next step never reaches the
-group's timeout.
+they run `worker_main`. A worker that dies is noticed by a watcher on the worker processes (or
+actors): it records the death, aborts the shared-memory waits (a gloo collective in flight fails
+by itself as the worker's sockets close), and an idle engine learns of it at its next health
+check (the server's /health then turns 503). While the engine is idle, rank 0 pings the workers
+so that a wait for the next step over gloo never reaches the group's timeout.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def init_group(spec: WorkerSpec) -> TPGroup:
                            "starts its own group (one tensor-parallel engine per process).")
     host, port = spec.master
     store = dist.TCPStore(host, port, spec.size, is_master=spec.rank == 0, timeout=GROUP_TIMEOUT)
-    # gloo carries CPU tensors (and the step's broadcast); NCCL the CUDA ones, each rank on its card
+    # gloo carries CPU tensors (where shared memory cannot); NCCL the CUDA ones, each rank on its card
     cuda = resolve_device(spec.config.model.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(spec.rank)
