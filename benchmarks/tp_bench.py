@@ -67,7 +67,7 @@ def _allreduce_rank(rank, shapes, port, out):
 def allreduce(a) -> None:
     import multiprocessing as mp
 
-    from tokenmill.distributed.executor import free_port
+    from tokenmill.utils import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

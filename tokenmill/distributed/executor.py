@@ -24,7 +24,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpus import rank_core_sets
 from tokenmill.distributed.errors import WorkerDiedError
 from tokenmill.distributed.tensor_parallel import TPGroup, shared_memory_all_reduce
-from tokenmill.utils import default_model_path, resolve_device
+from tokenmill.utils import default_model_path, free_port, resolve_device
 
 log = logging.getLogger("tokenmill")
 
@@ -139,12 +138,6 @@ def worker_main(spec: WorkerSpec, die_with_parent: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Executor:
     """Rank 0's handle on its workers: start, feed each step, watch, stop. Subclasses start the
     workers (`_start_workers`) and say whether one has stopped (`_dead_worker`)."""
@@ -164,6 +157,7 @@ class Executor:
         cores = sorted(os.sched_getaffinity(0))
         shares = rank_core_sets(cores, self.size)
         specs = []
+        self._connect()
         master = (self._master_host(), free_port())
         for rank in range(self.size):
             share = shares[rank] if len(cores) >= self.size else None
@@ -261,6 +255,9 @@ class Executor:
                 return
 
     # ---- what a backend provides
+    def _connect(self) -> None:
+        """Join whatever places the workers (nothing for local processes)."""
+
     def _master_host(self) -> str:
         return "127.0.0.1"
 

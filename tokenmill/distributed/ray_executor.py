@@ -47,14 +47,16 @@ class RayExecutor(Executor):
         self.pg = None
         self._started_ray = False
 
-    def _master_host(self) -> str:
+    def _connect(self) -> None:
         ray = _ray()
         if not ray.is_initialized():
             # RAY_ADDRESS (or `ray start`'s local cluster) if there is one, else a local cluster of our own
             ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=True,
                      logging_level=logging.WARNING, configure_logging=False)
             self._started_ray = True
-        return ray.util.get_node_ip_address()
+
+    def _master_host(self) -> str:
+        return _ray().util.get_node_ip_address()
 
     def _start_workers(self, specs: list[WorkerSpec]) -> None:
         ray = _ray()

@@ -44,7 +44,7 @@ class _Parent:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        mc, cc, sc = config.model, config.cache, config.scheduling
+        mc = config.model
         self.config = config
         self.model_path = mc.model or default_model_path()
         self.device = resolve_device(mc.device)
