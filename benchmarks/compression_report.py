@@ -1,11 +1,13 @@
 """Turn results/compression.jsonl (written by compression.sh) into COMPRESSION.md and a PNG:
-size vs perplexity for every artifact, and the distillation curve."""
+size vs perplexity for every artifact, the distillation curve and the QAT curve."""
 import json
 import sys
 
-rows_path, distill_path, md_path, png_path = sys.argv[1:5]
+rows_path, distill_path, qat_path, float_short_path, md_path, png_path = sys.argv[1:7]
 rows = [json.loads(line) for line in open(rows_path) if line.strip()]
 hist = json.load(open(distill_path))
+qat = json.load(open(qat_path))
+float_short = json.load(open(float_short_path))  # the float model on the tokens the curves score
 by = {r["name"]: r for r in rows}
 base = rows[0]
 params0 = base["parameters"] or by.get("rtn-int8", {}).get("parameters")
@@ -34,6 +36,20 @@ recovered = (pruned["perplexity"] - distilled["perplexity"]) / loss if loss > 0 
 reduction = 1 - pruned["parameters"] / params0
 int8_d = 100 * (by["rtn-int8"]["perplexity"] / base["perplexity"] - 1)
 cfg = hist["config"]
+qat_row = next(r for r in rows if r["name"].startswith("qat-"))
+qat_start = by[qat_row["name"].removeprefix("qat-")]          # the PTQ checkpoint QAT started from
+best_ptq = min((rtn4, awq, gptq), key=lambda r: r["perplexity"])
+qat_gap = best_ptq["perplexity"] - base["perplexity"]
+qat_recovered = (best_ptq["perplexity"] - qat_row["perplexity"]) / qat_gap if qat_gap > 0 else float("nan")
+qat_speed = qat_row["decode_tok_s"] / qat_start["decode_tok_s"]
+qcfg, qtrain = qat["qat"], qat["config"]
+curve = [(h["step"], h["eval_ppl"]) for h in qat["history"] if "eval_ppl" in h]
+kl_curve = [h.get("eval_kl") for h in qat["history"] if "eval_ppl" in h]
+f_short = float_short["perplexity"]
+
+
+def closed(p):
+    return 100 * (curve[0][1] - p) / (curve[0][1] - f_short)
 lines = [
     "# Compression of the default model (SmolLM2-135M-Instruct)",
     "",
@@ -67,6 +83,11 @@ lines = [
     f"layers {pruned['meta'].get('removed_layers')} removed) | {'yes' if reduction >= 0.25 else 'no'} |",
     f"| distillation recovers ≥ half the pruning loss | ppl {pruned['perplexity']:.2f} → {distilled['perplexity']:.2f} "
     f"(float {base['perplexity']:.2f}): {100 * recovered:.0f} % recovered | {'yes' if recovered >= 0.5 else 'no'} |",
+    f"| QAT-int4 recovers ≥ half of the best PTQ method's gap (g{g}) | {best_ptq['name']} {best_ptq['perplexity']:.3f} → "
+    f"{qat_row['name']} {qat_row['perplexity']:.3f} (float {base['perplexity']:.3f}): {100 * qat_recovered:.0f} % "
+    f"recovered | {'yes' if qat_recovered >= 0.5 else 'no'} |",
+    f"| QAT checkpoint decodes at int4 speed | {qat_row['decode_tok_s']:.1f} vs {qat_start['decode_tok_s']:.1f} tok/s "
+    f"({qat_start['name']}, same layout): {qat_speed:.2f}× | {'yes' if qat_speed >= 0.9 else 'no'} (±10 %) |",
     "",
     f"Distillation: {cfg['steps']} steps × {cfg['batch_size']} sequences × {cfg['seq_len']} tokens, KL at "
     f"temperature {cfg['temperature']}, lr {cfg['lr']}, {hist['elapsed_s'] / 60:.0f} min on this machine. "
@@ -75,6 +96,22 @@ lines = [
     "| step | " + " | ".join(str(h["step"]) for h in hist["history"] if "eval_ppl" in h) + " |",
     "|---|" + "---|" * sum("eval_ppl" in h for h in hist["history"]),
     "| ppl | " + " | ".join(f"{h['eval_ppl']:.2f}" for h in hist["history"] if "eval_ppl" in h) + " |",
+    "",
+    f"QAT ({qat_row['name']}): `tokenmill qat --init {qcfg['init']} --group-size {qcfg['group_size']}`, started from "
+    f"the same AWQ result as the {qat_start['name']} row, {qtrain['steps']} steps × {qtrain['batch_size']} sequences × "
+    f"{qtrain['seq_len']} tokens of WikiText-2 valid, KL to the float model at temperature {qtrain['temperature']}, "
+    f"lr {qtrain['lr']} (latent weights), {qcfg['scale_lr']} (log scales), "
+    f"{qat['elapsed_s'] / 60:.0f} min on this machine ({qat['init_s'] / 60:.1f} of them the AWQ start). "
+    f"Perplexity on the first {float_short['tokens_scored'] + 1:,} test tokens along the way (float: {f_short:.2f}); "
+    "the gap row is how much of the start's perplexity gap to the float model is closed, and the KL row the",
+    "mean per-token KL(float ‖ QAT model) on the same tokens: the distance from the float model itself,",
+    "free of how well either fits WikiText (train and test text share a domain):",
+    "",
+    "| step | " + " | ".join(str(st) for st, _ in curve) + " |",
+    "|---|" + "---|" * len(curve),
+    "| ppl | " + " | ".join(f"{p:.2f}" for _, p in curve) + " |",
+    "| gap closed | " + " | ".join(f"{closed(p):.0f} %" for _, p in curve) + " |",
+    "| KL to float | " + " | ".join(f"{k:.4f}" for k in kl_curve) + " |",
     "",
     "Reading the speed columns: AWQ/GPTQ/RTN checkpoints keep the tied embedding in float (as AWQ and",
     "GPTQ do), so every decoded token also reads the 49,152 × 576 output projection in float32, where",
@@ -91,7 +128,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.5))
 for r in rows:
     a.scatter(size(r) / 2**20, r["perplexity"])
     a.annotate(r["name"], (size(r) / 2**20, r["perplexity"]), fontsize=7, xytext=(4, 3),
@@ -106,6 +143,13 @@ b.axhline(base["perplexity"], ls="--", c="gray")
 b.set_xlabel("distillation step")
 b.set_ylabel("perplexity (4,096 test tokens)")
 b.set_title("recovering the layer-pruned model")
+c.plot([st for st, _ in curve], [p for _, p in curve], marker="o", label=qat_row["name"])
+c.axhline(f_short, ls="--", c="gray", label="float")
+c.axhline(curve[0][1], ls=":", c="tab:red", label=f"{qat_start['name']} (step 0)")
+c.set_xlabel("QAT step")
+c.set_ylabel(f"perplexity ({float_short['tokens_scored'] + 1:,} test tokens)")
+c.set_title("quantization-aware training from AWQ-int4")
+c.legend(fontsize=8)
 fig.tight_layout()
 fig.savefig(png_path, dpi=110)
 print(open(md_path).read())

@@ -51,6 +51,14 @@ def tiny_llama(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def calib_text(tmp_path_factory) -> str:
+    """A plain-text file for the compression commands' --calib / --data."""
+    path = tmp_path_factory.mktemp("text") / "calib.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 400, encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def default_model() -> str:
     return default_model_path()
 

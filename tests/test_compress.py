@@ -189,13 +189,6 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(CLI + list(args), capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def calib_text(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("text") / "calib.txt"
-    path.write_text("The quick brown fox jumps over the lazy dog. " * 400, encoding="utf-8")
-    return str(path)
-
-
 @pytest.mark.parametrize("method,sparsity,field,expect", [
     ("heads", "0.5", "num_attention_heads", 2), ("ffn", "0.34", "intermediate_size", 64),
     ("layers", "0.5", "num_hidden_layers", 1)])

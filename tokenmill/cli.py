@@ -301,7 +301,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_compress(args: argparse.Namespace) -> int:
     from tokenmill.compress import commands
 
-    run = {"quantize": commands.run_quantize, "prune": commands.run_prune, "distill": commands.run_distill}
+    run = {"quantize": commands.run_quantize, "prune": commands.run_prune, "distill": commands.run_distill,
+           "qat": commands.run_qat}
     report = run[args.cmd](args)
     _emit({k: v for k, v in report.items() if k != "history"}, args.output_json)
     print(f"wrote {args.output}", file=sys.stderr)
@@ -309,7 +310,7 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 
 def _compress_parsers(sub) -> None:
-    """quantize | prune | distill: each writes a Hugging Face checkpoint directory, atomically."""
+    """quantize | prune | distill | qat: each writes a Hugging Face checkpoint directory, atomically."""
     calib_help = "calibration text file (required by the methods that calibrate)"
 
     def common(p: argparse.ArgumentParser, dtype: str) -> None:
@@ -345,24 +346,45 @@ def _compress_parsers(sub) -> None:
     pr.add_argument("--calib-seq-len", type=int, default=512)
     common(pr, "bfloat16")
 
+    def training(p: argparse.ArgumentParser, lr: float) -> None:
+        p.add_argument("--data", default=None, help="training text file (required)")
+        p.add_argument("--eval-data", default=None, help="text for the periodic perplexity (e.g. wikitext-2/test.txt)")
+        p.add_argument("--eval-tokens", type=int, default=4096, help="tokens of --eval-data scored each time")
+        p.add_argument("--eval-every", type=int, default=50, help="steps between perplexity evaluations (0: never)")
+        p.add_argument("--steps", type=int, required=True)
+        p.add_argument("--batch-size", type=int, default=4, help="sequences per step")
+        p.add_argument("--seq-len", type=int, default=256)
+        p.add_argument("--lr", type=float, default=lr, help="peak learning rate (AdamW, warmup then cosine)")
+        p.add_argument("--warmup-steps", type=int, default=10)
+        p.add_argument("--temperature", type=float, default=2.0, help="softening of both distributions in the KL")
+        p.add_argument("--hidden-loss-weight", type=float, default=0.0, help="weight of the final-hidden-state MSE")
+        p.add_argument("--save-every", type=int, default=25, help="steps between resumable checkpoints")
+        p.add_argument("--checkpoint-dir", default=None, help="resume state (default: OUTPUT.ckpt; removed when done)")
+        p.add_argument("--seed", type=int, default=0)
+
     d = sub.add_parser("distill", help="knowledge distillation of a student from a teacher")
     d.add_argument("--teacher", default=None, help="teacher model (default: the default model)")
     d.add_argument("--student", required=True, help="student model (e.g. a pruned checkpoint)")
-    d.add_argument("--data", default=None, help="training text file (required)")
-    d.add_argument("--eval-data", default=None, help="text for the periodic perplexity (e.g. wikitext-2/test.txt)")
-    d.add_argument("--eval-tokens", type=int, default=4096, help="tokens of --eval-data scored each time")
-    d.add_argument("--eval-every", type=int, default=50, help="steps between perplexity evaluations (0: never)")
-    d.add_argument("--steps", type=int, required=True)
-    d.add_argument("--batch-size", type=int, default=4, help="sequences per step")
-    d.add_argument("--seq-len", type=int, default=256)
-    d.add_argument("--lr", type=float, default=2e-4)
-    d.add_argument("--warmup-steps", type=int, default=10)
-    d.add_argument("--temperature", type=float, default=2.0, help="softening of both distributions in the KL")
-    d.add_argument("--hidden-loss-weight", type=float, default=0.0, help="weight of the final-hidden-state MSE")
-    d.add_argument("--save-every", type=int, default=25, help="steps between resumable checkpoints")
-    d.add_argument("--checkpoint-dir", default=None, help="resume state (default: OUTPUT.ckpt; removed when done)")
-    d.add_argument("--seed", type=int, default=0)
+    training(d, 2e-4)
     common(d, "bfloat16")
+
+    t = sub.add_parser("qat", help="quantization-aware training from an RTN, AWQ or GPTQ start, distilled from "
+                                   "the float model; writes the AWQ/GPTQ checkpoint quantize writes")
+    t.add_argument("--model", default=None, help="float model to quantize (default: the default model)")
+    t.add_argument("--teacher", default=None, help="teacher (default: --model itself, in float)")
+    t.add_argument("--bits", type=int, default=4, help="4 (group-wise) or 8 (per-channel symmetric)")
+    t.add_argument("--group-size", type=int, default=None, help="inputs per int4 scale (default 128; -1 for --bits 8)")
+    t.add_argument("--allow-partial-groups", action="store_true",
+                   help="accept a group size that does not divide an input dimension (shorter last group)")
+    t.add_argument("--init", default="rtn", help="the post-training quantization to start from: rtn | awq | gptq")
+    t.add_argument("--act-order", action="store_true", help="GPTQ start: columns by decreasing activation energy")
+    t.add_argument("--calib", default=None, help="calibration text for --init awq|gptq (default: --data)")
+    t.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
+    t.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
+    t.add_argument("--scale-lr", type=float, default=1e-3,
+                   help="peak learning rate of the log quantization scales (0: scales stay as initialised)")
+    training(t, 2e-5)
+    common(t, "float16")
 
 
 def build_parser() -> argparse.ArgumentParser:

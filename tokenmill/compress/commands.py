@@ -1,4 +1,4 @@
-"""The compression commands behind `tokenmill quantize | prune | distill`: check every input
+"""The compression commands behind `tokenmill quantize | prune | distill | qat`: check every input
 first, do the work, write the result through `export.atomic_output_dir`, load it back once to
 prove it serves, and return a JSON-able report (also saved as compression.json)."""
 from __future__ import annotations
@@ -95,22 +95,37 @@ def run_prune(args: argparse.Namespace) -> dict:
     return report
 
 
-def run_distill(args: argparse.Namespace) -> dict:
+def _distill_config(args: argparse.Namespace):
     from tokenmill.compress import distill
 
-    export.check_output_dir(args.output, args.overwrite)
     cfg = distill.DistillConfig(args.steps, args.batch_size, args.seq_len, args.lr, args.warmup_steps,
                                 args.temperature, args.hidden_loss_weight, args.eval_every, args.eval_tokens,
                                 args.save_every, args.seed)
     cfg.validate()
-    data = calib.required(args.data, "--data", "to distill on")
+    data = calib.required(args.data, "--data", f"to {args.cmd} on")
     if args.eval_data:
         calib.read_text(args.eval_data)
+    return cfg, data
+
+
+def _training_text(loaded: loader.LoadedModel, args: argparse.Namespace, data: str, cfg) -> tuple[list, list | None]:
+    eval_ids = _tokens(loaded, args.eval_data)[: cfg.eval_tokens] if args.eval_data else None
+    return _tokens(loaded, data), eval_ids
+
+
+def _work_dir(args: argparse.Namespace) -> str:
+    return args.checkpoint_dir or os.path.abspath(args.output).rstrip("/") + ".ckpt"
+
+
+def run_distill(args: argparse.Namespace) -> dict:
+    from tokenmill.compress import distill
+
+    export.check_output_dir(args.output, args.overwrite)
+    cfg, data = _distill_config(args)
     teacher = _load_float(args.teacher)
     student = _load_float(args.student)
-    train_ids = _tokens(student, data)
-    eval_ids = _tokens(student, args.eval_data)[: cfg.eval_tokens] if args.eval_data else None
-    work_dir = args.checkpoint_dir or os.path.abspath(args.output).rstrip("/") + ".ckpt"
+    train_ids, eval_ids = _training_text(student, args, data, cfg)
+    work_dir = _work_dir(args)
     t0 = time.perf_counter()
     history = distill.distill(teacher.model, student.model, train_ids, eval_ids, cfg, work_dir,
                               progress=not args.quiet)
@@ -124,4 +139,53 @@ def run_distill(args: argparse.Namespace) -> dict:
         export.write_checkpoint(tmp, student.arch, student.tokenizer, tensors, args.dtype, None, report)
         _verify(tmp)
     shutil.rmtree(work_dir, ignore_errors=True)  # the run is complete: its resume state has served
+    return report
+
+
+def run_qat(args: argparse.Namespace) -> dict:
+    """PTQ start (or the one saved by an interrupted run) -> fake-quant training -> the checkpoint."""
+    from tokenmill.compress import distill, qat
+    from tokenmill.compress import quantize as q
+
+    export.check_output_dir(args.output, args.overwrite)
+    group = args.group_size if args.group_size is not None else (-1 if args.bits == 8 else 128)
+    qcfg = qat.QATConfig(args.bits, group, args.init, args.allow_partial_groups, args.act_order,
+                         args.calib_samples, args.calib_seq_len, args.scale_lr)
+    cfg, data = _distill_config(args)
+    calibrated = qcfg.quantize_config().calibrated
+    calib_path = calib.required(args.calib or data, "--calib", f"for --init {qcfg.init}") if calibrated else None
+    student = _load_float(args.model)
+    qcfg.validate(student.model)
+    teacher = _load_float(args.teacher or args.model)
+    distill.check_pair(teacher.model, student.model, cfg.hidden_loss_weight)
+    train_ids, eval_ids = _training_text(student, args, data, cfg)
+    work_dir = _work_dir(args)
+    t0 = time.perf_counter()
+    results = qat.load_start(work_dir, qcfg, student.model)
+    if results is None:
+        samples = calib.windows(_tokens(student, calib_path), qcfg.calib_samples, qcfg.calib_seq_len) \
+            if calibrated else None
+        results = q.quantize_model(student.model, qcfg.quantize_config(), samples, progress=not args.quiet)
+        qat.latent_start(student.model, results)
+        qat.save_start(work_dir, qcfg, student.model, results)
+    init_s = time.perf_counter() - t0
+    qat.attach(student.model, results)
+    history = distill.distill(teacher.model, student.model, train_ids, eval_ids, cfg, work_dir,
+                              progress=not args.quiet, lrs={qat.SCALE_PARAM: qcfg.scale_lr}, desc="qat")
+    results = qat.finish(student.model)
+    report = {"command": "qat", "method": f"qat-{qcfg.init}", "bits": qcfg.bits, "group_size": qcfg.group_size,
+              **_source_report(student, args.model),
+              "teacher": os.path.abspath(args.teacher or args.model or default_model_path()),
+              "data": os.path.abspath(data), "calibration": os.path.abspath(calib_path) if calib_path else None,
+              "eval_data": os.path.abspath(args.eval_data) if args.eval_data else None,
+              "qat": qcfg.__dict__, "config": cfg.__dict__, "init_s": round(init_s, 1),
+              "elapsed_s": round(time.perf_counter() - t0, 1), "history": history}
+    report["parameters"] = report["source_parameters"]
+    tensors = export.float_tensors(student.model, skip=set(results))
+    tensors.update(q.checkpoint_tensors(student.model, results, qcfg.quantize_config()))
+    with export.atomic_output_dir(args.output, args.overwrite) as tmp:
+        export.write_checkpoint(tmp, student.arch, student.tokenizer, tensors, args.dtype,
+                                qcfg.quantization_config(), report)
+        _verify(tmp)
+    shutil.rmtree(work_dir, ignore_errors=True)
     return report

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from tokenmill.compress.evaluate import perplexity
 from tokenmill.models.llama import CausalLM
@@ -68,13 +69,17 @@ def batch_at(step: int, token_ids: list[int], cfg: DistillConfig) -> list[torch.
     return [torch.tensor(token_ids[s:s + cfg.seq_len]) for s in (rng.randrange(0, hi + 1) for _ in range(cfg.batch_size))]
 
 
-def trainable(student: CausalLM) -> list[torch.nn.Parameter]:
-    params = []
+def trainable(student: CausalLM, lrs: dict[str, float] | None = None) -> list[dict]:
+    """Optimizer groups: every parameter but the embedding, at the schedule's learning rate, except
+    those whose name ends in a key of `lrs`, which get that peak rate (0: frozen)."""
+    lrs = lrs or {}
+    groups: dict[float | None, list[torch.nn.Parameter]] = {}
     for name, p in student.named_parameters():
-        p.requires_grad_(not name.startswith("model.embed_tokens"))
+        peak = next((lr for suffix, lr in lrs.items() if name.endswith(suffix)), None)
+        p.requires_grad_(not name.startswith("model.embed_tokens") and peak != 0)
         if p.requires_grad:
-            params.append(p)
-    return params
+            groups.setdefault(peak, []).append(p)
+    return [{"params": ps, "peak": peak} for peak, ps in groups.items()]
 
 
 def _loss(teacher: CausalLM, student: CausalLM, ids: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
@@ -91,38 +96,40 @@ def _loss(teacher: CausalLM, student: CausalLM, ids: torch.Tensor, cfg: DistillC
 
 
 def distill(teacher: CausalLM, student: CausalLM, train_ids: list[int], eval_ids: list[int] | None,
-            cfg: DistillConfig, work_dir: str, progress: bool = True) -> list[dict]:
+            cfg: DistillConfig, work_dir: str, progress: bool = True, lrs: dict[str, float] | None = None,
+            desc: str = "distill") -> list[dict]:
     """Train `student` in place for `cfg.steps` steps (resuming from `work_dir` if it holds a
-    checkpoint of the same configuration); returns the history of losses and perplexities."""
+    checkpoint of the same configuration); returns the history of losses and perplexities.
+    `lrs`: peak learning rates by parameter-name suffix, overriding `cfg.lr` (see `trainable`)."""
     cfg.validate()
     check_pair(teacher, student, cfg.hidden_loss_weight)
     if len(train_ids) <= cfg.seq_len:
         raise ValueError(f"the training text has {len(train_ids)} tokens; need more than --seq-len {cfg.seq_len}.")
     teacher.eval()
-    params = trainable(student)
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    groups = trainable(student, lrs)
+    params = [p for g in groups for p in g["params"]]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
     start, history = _resume(work_dir, cfg, student, opt)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=start, desc="distill", unit="step")
+        bar = tqdm(total=cfg.steps, initial=start, desc=desc, unit="step")
     if start == 0 and eval_ids and cfg.eval_every:
-        history.append({"step": 0, "eval_ppl": _eval(student, eval_ids)})
+        history.append({"step": 0, **_eval(teacher, student, eval_ids)})
     for step in range(start, cfg.steps):
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg)
+            group["lr"] = lr_at(step, cfg) * (1.0 if group["peak"] is None else group["peak"] / cfg.lr)
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for ids in batch_at(step, train_ids, cfg):
-            loss = _loss(teacher, student, ids, cfg) / cfg.batch_size
+        with parametrize.cached():  # a parametrized weight (QAT's fake quantization) once per step
+            loss = sum(_loss(teacher, student, ids, cfg) for ids in batch_at(step, train_ids, cfg)) / cfg.batch_size
             loss.backward()
-            total += float(loss.detach())
+        total = float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         record = {"step": step + 1, "loss": round(total, 5), "lr": lr_at(step, cfg)}
         if eval_ids and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            record["eval_ppl"] = _eval(student, eval_ids)
+            record.update(_eval(teacher, student, eval_ids))
         history.append(record)
         if bar is not None:
             bar.update(1)
@@ -136,9 +143,26 @@ def distill(teacher: CausalLM, student: CausalLM, train_ids: list[int], eval_ids
     return history
 
 
-def _eval(student: CausalLM, eval_ids: list[int]) -> float:
-    with torch.no_grad():
-        return round(perplexity(student, eval_ids, context_len=512, stride=256, progress=False)["perplexity"], 4)
+def _eval(teacher: CausalLM, student: CausalLM, eval_ids: list[int]) -> dict[str, float]:
+    """Perplexity on the held-out text, and the KL from the teacher there: the distance the
+    training closes, free of how well either model happens to fit that text."""
+    with torch.no_grad(), parametrize.cached():
+        ppl = perplexity(student, eval_ids, context_len=512, stride=256, progress=False)["perplexity"]
+        return {"eval_ppl": round(ppl, 4), "eval_kl": round(held_out_kl(teacher, student, eval_ids), 5)}
+
+
+@torch.no_grad()
+def held_out_kl(teacher: CausalLM, student: CausalLM, token_ids: list[int], window: int = 512) -> float:
+    """Mean per-token KL(teacher || student) at temperature 1 over consecutive windows."""
+    total, count = 0.0, 0
+    for s in range(0, len(token_ids) - 1, window):
+        ids = torch.tensor(token_ids[s:s + window])
+        pos = torch.arange(ids.numel())
+        t = F.log_softmax(teacher.compute_logits(teacher(ids, pos)), dim=-1)
+        st = F.log_softmax(student.compute_logits(student(ids, pos)), dim=-1)
+        total += float(F.kl_div(st, t, log_target=True, reduction="sum"))
+        count += ids.numel()
+    return total / count
 
 
 def _trainable_state(student: CausalLM) -> dict[str, torch.Tensor]:

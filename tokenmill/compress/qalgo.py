@@ -23,6 +23,9 @@ class QuantizedWeight:
     scales: torch.Tensor   # (N, G) float32 holding float16 values
     g_idx: torch.Tensor    # (K,) group of each input
     bits: int
+    # the float values that were rounded: q = clamp(round(source / scale) + zero), column by column
+    # (GPTQ: after the error feedback of the columns before). QAT's latent weights start here.
+    source: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         return (self.q.float() - self.zeros.float()[:, self.g_idx]) * self.scales[:, self.g_idx]
@@ -66,7 +69,7 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
     for g, (s, e) in enumerate(bounds):
         scales[:, g], zeros[:, g] = grid(w[:, s:e], bits, sym, None if clip is None else clip[:, g])
         q[:, s:e] = quantize_cols(w[:, s:e], scales[:, g], zeros[:, g], bits)
-    return QuantizedWeight(q.long(), zeros.long(), scales, default_g_idx(k, group_size), bits)
+    return QuantizedWeight(q.long(), zeros.long(), scales, default_g_idx(k, group_size), bits, w.clone())
 
 
 def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bool = False,
@@ -93,7 +96,7 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
     size = k if group_size == -1 else group_size
     block = size * max(1, 128 // size) if group_size != -1 else 128
     num_groups = math.ceil(k / size)
-    q = torch.zeros(n, k)
+    q, source = torch.zeros(n, k), torch.zeros(n, k)
     scales, zeros = torch.zeros(n, num_groups), torch.zeros(n, num_groups)
     if group_size == -1:
         scales[:, 0], zeros[:, 0] = grid(w, bits, sym)
@@ -106,14 +109,14 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
             if group_size != -1 and col % size == 0:
                 scales[:, g], zeros[:, g] = grid(w1[:, i:i + size], bits, sym)
             qc = quantize_cols(w1[:, i:i + 1], scales[:, g], zeros[:, g], bits)[:, 0]
-            q[:, col] = qc
+            q[:, col], source[:, col] = qc, w1[:, i]
             err = (w1[:, i] - (qc - zeros[:, g]) * scales[:, g]) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inv = torch.argsort(perm)
     g_idx = (torch.arange(k) // size)[inv]
-    return QuantizedWeight(q[:, inv].long(), zeros.long(), scales, g_idx, bits)
+    return QuantizedWeight(q[:, inv].long(), zeros.long(), scales, g_idx, bits, source[:, inv])
 
 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
