@@ -60,8 +60,7 @@ def test_exported_checkpoint_serves_the_integers_trained_against(tiny_llama, tmp
             assert torch.equal(m.parametrizations.weight[0].quantized(m.parametrizations.weight.original).q,
                                before[name]), name
     train = distill.DistillConfig(steps=6, batch_size=2, seq_len=32, lr=3e-3, warmup_steps=1, eval_every=0)
-    distill.distill(teacher, student, tokens(2000, 5), None, train, str(tmp_path / "w"), progress=False,
-                    lrs={qat.SCALE_PARAM: 1e-2})
+    qat.train(teacher, student, tokens(2000, 5), None, train, 1e-2, str(tmp_path / "w"), progress=False)
     ids = torch.tensor(tokens(24, 3))
     fake_quant = logits(student, ids)
     trained = qat.finish(student)
@@ -101,8 +100,7 @@ def test_qat_lowers_the_held_out_kl_below_its_ptq_start(tiny_llama, tmp_path, in
     cfg = distill.DistillConfig(steps=30, batch_size=4, seq_len=64, lr=3e-4, warmup_steps=2, eval_every=0)
     held_out = tokens(2048, seed=100)                              # never trained on
     before = distill.held_out_kl(teacher, student, held_out)
-    distill.distill(teacher, student, tokens(8000, 5), None, cfg, str(tmp_path / "w"), progress=False,
-                    lrs={qat.SCALE_PARAM: 1e-3})
+    qat.train(teacher, student, tokens(8000, 5), None, cfg, 1e-3, str(tmp_path / "w"), progress=False)
     assert distill.held_out_kl(teacher, student, held_out) < 0.95 * before   # measured 0.87 (rtn), 0.92 (gptq)
 
 

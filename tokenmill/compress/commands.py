@@ -170,8 +170,8 @@ def run_qat(args: argparse.Namespace) -> dict:
         qat.save_start(work_dir, qcfg, student.model, results)
     init_s = time.perf_counter() - t0
     qat.attach(student.model, results)
-    history = distill.distill(teacher.model, student.model, train_ids, eval_ids, cfg, work_dir,
-                              progress=not args.quiet, lrs={qat.SCALE_PARAM: qcfg.scale_lr}, desc="qat")
+    history = qat.train(teacher.model, student.model, train_ids, eval_ids, cfg, qcfg.scale_lr, work_dir,
+                        progress=not args.quiet)
     results = qat.finish(student.model)
     report = {"command": "qat", "method": f"qat-{qcfg.init}", "bits": qcfg.bits, "group_size": qcfg.group_size,
               **_source_report(student, args.model),

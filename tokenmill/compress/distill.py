@@ -2,18 +2,20 @@
 teacher on plain text — temperature-scaled KL between their next-token distributions (soft
 targets, Hinton et al.), optionally plus an MSE on the final hidden states when their widths
 match. CPU-sized: one sequence at a time with gradient accumulation, AdamW, warmup + cosine
-schedule, token embeddings (and a tied output head) frozen.
+schedule, token embeddings (and a tied output head) frozen. `qat` trains through the same loop.
 
 Training state is checkpointed every `save_every` steps into a working directory (each file
 replaced atomically); a rerun of the same command resumes from it with the same data order.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 from dataclasses import asdict, dataclass
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -97,10 +99,12 @@ def _loss(teacher: CausalLM, student: CausalLM, ids: torch.Tensor, cfg: DistillC
 
 def distill(teacher: CausalLM, student: CausalLM, train_ids: list[int], eval_ids: list[int] | None,
             cfg: DistillConfig, work_dir: str, progress: bool = True, lrs: dict[str, float] | None = None,
-            desc: str = "distill") -> list[dict]:
+            desc: str = "distill", step_context: Callable[[], ContextManager] = contextlib.nullcontext
+            ) -> list[dict]:
     """Train `student` in place for `cfg.steps` steps (resuming from `work_dir` if it holds a
     checkpoint of the same configuration); returns the history of losses and perplexities.
-    `lrs`: peak learning rates by parameter-name suffix, overriding `cfg.lr` (see `trainable`)."""
+    `lrs`: peak learning rates by parameter-name suffix, overriding `cfg.lr` (see `trainable`);
+    `step_context`: entered around each step's sequences (QAT computes its weights there once)."""
     cfg.validate()
     check_pair(teacher, student, cfg.hidden_loss_weight)
     if len(train_ids) <= cfg.seq_len:
@@ -121,10 +125,12 @@ def distill(teacher: CausalLM, student: CausalLM, train_ids: list[int], eval_ids
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg) * (1.0 if group["peak"] is None else group["peak"] / cfg.lr)
         opt.zero_grad(set_to_none=True)
-        with parametrize.cached():  # a parametrized weight (QAT's fake quantization) once per step
-            loss = sum(_loss(teacher, student, ids, cfg) for ids in batch_at(step, train_ids, cfg)) / cfg.batch_size
-            loss.backward()
-        total = float(loss.detach())
+        total = 0.0
+        with step_context():
+            for ids in batch_at(step, train_ids, cfg):
+                loss = _loss(teacher, student, ids, cfg) / cfg.batch_size
+                loss.backward()
+                total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         record = {"step": step + 1, "loss": round(total, 5), "lr": lr_at(step, cfg)}

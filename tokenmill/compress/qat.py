@@ -23,14 +23,16 @@ output head) stays frozen, as in `distill`.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from tokenmill.compress import qalgo
+from tokenmill.compress import distill, qalgo
 from tokenmill.compress.quantize import QuantizeConfig
 from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import CausalLM
@@ -99,6 +101,7 @@ class FakeQuant(nn.Module):
         self.log_scale = nn.Parameter(qw.scales.float().log(), requires_grad=False)
         self.register_buffer("zeros", qw.zeros.float())
         self.register_buffer("g_idx", qw.g_idx.long())
+        self.step_weight: torch.Tensor | None = None  # see `step_weights`
 
     def stored_scales(self) -> torch.Tensor:
         """Scales as the checkpoint stores them (float16 values), differentiable straight through."""
@@ -110,6 +113,8 @@ class FakeQuant(nn.Module):
         return (_RoundSTE.apply(w / scales[:, self.g_idx]) + self.zeros[:, self.g_idx]).clamp(0, 2 ** self.bits - 1)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self.step_weight is not None:
+            return self.step_weight
         s = self.stored_scales()
         return (self.levels(w, s) - self.zeros[:, self.g_idx]) * s[:, self.g_idx]
 
@@ -145,6 +150,31 @@ def attach(model: CausalLM, results: dict[str, qalgo.QuantizedWeight]) -> None:
         parametrize.register_parametrization(m, "weight", FakeQuant(qw))
 
 
+@contextlib.contextmanager
+def step_weights(model: CausalLM) -> Iterator[None]:
+    """One training step's quantized weights, computed once: inside, every layer serves a detached
+    copy (a leaf that collects the gradients of all the step's sequences, each backpropagated and
+    freed in turn); on leaving, those gradients flow once through the quantizer to the latent
+    weights and log scales. Recomputing the quantizer per sequence would cost as much again as
+    the sequence's own backward; one graph for the whole step would hold every sequence's
+    activations at once."""
+    fakes = [(m.parametrizations.weight[0], m.parametrizations.weight.original) for m in model.modules()
+             if isinstance(m, Linear) and parametrize.is_parametrized(m, "weight")]
+    values = []
+    for fq, latent in fakes:
+        value = fq(latent)
+        fq.step_weight = value.detach().requires_grad_()
+        values.append(value)
+    try:
+        yield
+        grads = [(v, fq.step_weight.grad) for v, (fq, _) in zip(values, fakes) if fq.step_weight.grad is not None]
+        if grads:
+            torch.autograd.backward([v for v, _ in grads], [g for _, g in grads])
+    finally:
+        for fq, _ in fakes:
+            fq.step_weight = None
+
+
 def finish(model: CausalLM) -> dict[str, qalgo.QuantizedWeight]:
     """Fold each parametrization away (the layer keeps its quantized value as a float weight) and
     return the integer forms by module name, ready for `quantize.checkpoint_tensors`."""
@@ -156,6 +186,14 @@ def finish(model: CausalLM) -> dict[str, qalgo.QuantizedWeight]:
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
             m.weight.requires_grad_(False)
     return out
+
+
+def train(teacher: CausalLM, student: CausalLM, train_ids: list[int], eval_ids: list[int] | None,
+          cfg: distill.DistillConfig, scale_lr: float, work_dir: str, progress: bool = True) -> list[dict]:
+    """`distill.distill` on a student with fake quantizers attached: the log scales at their own
+    learning rate, each step's quantized weights computed once (`step_weights`)."""
+    return distill.distill(teacher, student, train_ids, eval_ids, cfg, work_dir, progress=progress,
+                           lrs={SCALE_PARAM: scale_lr}, desc="qat", step_context=lambda: step_weights(student))
 
 
 def save_start(work_dir: str, cfg: QATConfig, model: CausalLM, results: dict[str, qalgo.QuantizedWeight]) -> None:
