@@ -160,7 +160,7 @@ def test_bad_flags_exit_2_and_write_nothing(tiny_llama_tok, calib_text, tmp_path
     assert os.listdir(tmp_path) == []
 
 
-def test_qat_command_end_to_end(tiny_llama_tok, calib_text, tmp_path):
+def test_qat_command_end_to_end_and_served(tiny_llama_tok, calib_text, tmp_path):
     out = tmp_path / "qat"
     r = subprocess.run(CLI + ["qat", "--model", tiny_llama_tok, "--init", "awq", "--group-size", "32",
                               "--data", calib_text, "--eval-data", calib_text, "--eval-tokens", "600",
@@ -173,6 +173,16 @@ def test_qat_command_end_to_end(tiny_llama_tok, calib_text, tmp_path):
     report = json.loads((out / "compression.json").read_text())
     assert report["method"] == "qat-awq" and [h["step"] for h in report["history"] if "eval_ppl" in h] == [0, 2, 4]
     assert not (tmp_path / "qat.ckpt").exists()
-    r = subprocess.run(CLI + ["generate", "--model", str(out), "--prompt", "The quick", "--max-tokens", "4",
-                              "--temperature", "0"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    import openai
+
+    from test_server import start_server
+
+    proc, base = start_server("--model", str(out))   # the checkpoint as `tokenmill serve` runs it
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+        c = client.completions.create(model=client.models.list().data[0].id, prompt="The quick", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert c.usage.completion_tokens == 6
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
