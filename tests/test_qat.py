@@ -147,6 +147,7 @@ def test_a_crashed_run_resumes_to_the_same_checkpoint(tiny_llama_tok, calib_text
     (["--group-size", "48"], "--group-size must be one of"),
     (["--group-size", "64"], "does not divide the input dimension 96"),
     (["--scale-lr", "2"], "--scale-lr must lie in [0, 1)"),
+    (["--init", "awq", "--act-order"], "it does not apply to awq"),
     (["--steps", "0"], "--steps >= 1"),
     (["--init", "awq", "--calib", "/nonexistent.txt"], "not found"),
     (["--teacher", "/nonexistent"], "nonexistent"),

@@ -48,6 +48,8 @@ class QuantizeConfig:
             raise ValueError("need --calib-samples >= 1 and --calib-seq-len >= 16.")
         if not 0 < self.damp < 1:
             raise ValueError(f"--damp must lie in (0, 1), got {self.damp}.")
+        if self.act_order and self.method != "gptq":
+            raise ValueError(f"--act-order orders GPTQ's columns; it does not apply to {self.method}.")
         if self.method == "rtn-int8":
             return  # per output channel: no groups
         if self.group_size not in int4.GROUP_SIZES:
