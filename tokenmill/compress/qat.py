@@ -80,16 +80,18 @@ class QATConfig:
         return cfg
 
 
-class _RoundSTE(torch.autograd.Function):
-    """round() forward, identity backward: the value is the exact integer, unlike x + (r - x).detach()."""
+class _StraightThrough(torch.autograd.Function):
+    """Rounding forward (to integers, or to float16 values), identity backward. Unlike
+    x + (r(x) - x).detach(), the value is exactly r(x): the integers and scales the forward uses
+    are bit for bit the ones `quantized` writes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.round()
+    def forward(ctx, x: torch.Tensor, to_half: bool) -> torch.Tensor:
+        return x.half().float() if to_half else x.round()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class FakeQuant(nn.Module):
@@ -105,12 +107,12 @@ class FakeQuant(nn.Module):
 
     def stored_scales(self) -> torch.Tensor:
         """Scales as the checkpoint stores them (float16 values), differentiable straight through."""
-        s = self.log_scale.exp()
-        return s + (s.half().float() - s).detach()
+        return _StraightThrough.apply(self.log_scale.exp(), True)
 
     def levels(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Integer levels 0..2^bits-1 (as float), gradients straight through the rounding."""
-        return (_RoundSTE.apply(w / scales[:, self.g_idx]) + self.zeros[:, self.g_idx]).clamp(0, 2 ** self.bits - 1)
+        return (_StraightThrough.apply(w / scales[:, self.g_idx], False) + self.zeros[:, self.g_idx]
+                ).clamp(0, 2 ** self.bits - 1)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.step_weight is not None:
