@@ -61,7 +61,7 @@ def quantize_cols(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
         clip: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest; `clip` (N, G) optional range shrink factors per group."""
-    w = w.float()
+    given, w = w, w.float()
     n, k = w.shape
     bounds = group_bounds(k, group_size)
     q = torch.empty(n, k)
@@ -69,7 +69,10 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
     for g, (s, e) in enumerate(bounds):
         scales[:, g], zeros[:, g] = grid(w[:, s:e], bits, sym, None if clip is None else clip[:, g])
         q[:, s:e] = quantize_cols(w[:, s:e], scales[:, g], zeros[:, g], bits)
-    return QuantizedWeight(q.long(), zeros.long(), scales, default_g_idx(k, group_size), bits, w.clone())
+    # `source` must outlive the caller's tensor, which quantize writes the dequantized values into;
+    # a search's temporary (AWQ's scaled candidates) needs no copy
+    source = w.clone() if w is given else w
+    return QuantizedWeight(q.long(), zeros.long(), scales, default_g_idx(k, group_size), bits, source)
 
 
 def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bool = False,

@@ -109,22 +109,23 @@ class FakeQuant(nn.Module):
         """Scales as the checkpoint stores them (float16 values), differentiable straight through."""
         return _StraightThrough.apply(self.log_scale.exp(), True)
 
-    def levels(self, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Integer levels 0..2^bits-1 (as float), gradients straight through the rounding."""
-        return (_StraightThrough.apply(w / scales[:, self.g_idx], False) + self.zeros[:, self.g_idx]
-                ).clamp(0, 2 ** self.bits - 1)
+    def levels(self, w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+        """Integer levels 0..2^bits-1 (as float), gradients straight through the rounding; scales
+        and zeros already expanded to one column per input."""
+        return (_StraightThrough.apply(w / scales, False) + zeros).clamp(0, 2 ** self.bits - 1)
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
         if self.step_weight is not None:
             return self.step_weight
-        s = self.stored_scales()
-        return (self.levels(w, s) - self.zeros[:, self.g_idx]) * s[:, self.g_idx]
+        s, z = self.stored_scales()[:, self.g_idx], self.zeros[:, self.g_idx]
+        return (self.levels(w, s, z) - z) * s
 
     @torch.no_grad()
     def quantized(self, w: torch.Tensor) -> qalgo.QuantizedWeight:
         """The integers this forward computes, in the form the checkpoint writers take."""
         s = self.stored_scales()
-        return qalgo.QuantizedWeight(self.levels(w, s).long(), self.zeros.long(), s, self.g_idx, self.bits)
+        q = self.levels(w, s[:, self.g_idx], self.zeros[:, self.g_idx])
+        return qalgo.QuantizedWeight(q.long(), self.zeros.long(), s, self.g_idx, self.bits)
 
 
 def latent_start(model: CausalLM, results: dict[str, qalgo.QuantizedWeight]) -> None:
@@ -203,7 +204,7 @@ def save_start(work_dir: str, cfg: QATConfig, model: CausalLM, results: dict[str
     run skips the calibration and is bit-identical to one that never stopped."""
     os.makedirs(work_dir, exist_ok=True)
     tmp = os.path.join(work_dir, "start.pt.tmp")
-    torch.save({"qat": asdict(cfg), "model": {k: v for k, v in model.state_dict().items()},
+    torch.save({"qat": asdict(cfg), "model": model.state_dict(),
                 "grid": {n: {"zeros": q.zeros, "scales": q.scales, "g_idx": q.g_idx, "bits": q.bits}
                          for n, q in results.items()}}, tmp)
     os.replace(tmp, os.path.join(work_dir, "start.pt"))
