@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tokenmill import kernels
 from tokenmill.layers.attention import decode_reference
-from tokenmill.quant import int4
+from tokenmill.quant import int4, int8
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_KERNELS=0")
 
@@ -87,6 +87,48 @@ def test_int8_panels_equal_their_reference(n, k, m, bits):
     assert (got - ref).abs().max() <= 5e-5 * ref.abs().max()
     bound = CLOSE_TO_FLOAT[bits] if w.dot else 1e-4
     assert (got - exact).abs().max() <= bound * exact.abs().max()
+
+
+@pytest.mark.skipif(not kernels.dot_layout(), reason="summation in segments is the dot layout's")
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("m", [1, 5, 13])
+def test_slices_partial_sums_add_up_to_the_whole_bit_for_bit(kind, m, bits):
+    """A row-parallel projection cut at segment bounds, as tensor-parallel ranks hold it: the
+    slices' float64 partial sums, added in rank order, are the whole projection's float64 sums
+    bit for bit, and rounded they are its float32 output. 40 outputs: a partial 16-row panel."""
+    torch.manual_seed(m + bits)
+    n, k, segment, cut = 40, 768, 256, 512  # slices of two segments and of one
+    w = torch.randn(n, k)
+    if kind == "int4":
+        q, scale, minimum = int4.quantize_rtn(w, 32)
+        product = kernels.int4_linear
+
+        def pack(a, b, seg):
+            return kernels.pack_int4(q[:, a:b], scale[:, a // 32:b // 32], minimum[:, a // 32:b // 32])
+    else:
+        w8 = int8.quantize_rtn(w)
+        product = kernels.int8_linear
+
+        def pack(a, b, seg):
+            return kernels.pack_int8(w8.q[:, a:b], w8.scale.float())
+
+    def panels(a, b, seg):
+        p = pack(a, b, seg)
+        p.act_bits, p.segment = bits, seg
+        return p
+    x = torch.randn(m, k)
+    whole = panels(0, k, segment)
+    total = product(x, whole, partial=True)
+    assert total.dtype == torch.float64 and total.shape == (m, n)
+    shares = product(x[:, :cut], panels(0, cut, segment), partial=True) + \
+        product(x[:, cut:].contiguous(), panels(cut, k, 0), partial=True)
+    assert torch.equal(shares, total)
+    assert torch.equal(product(x, whole), total.float())
+    plain = panels(0, k, 0)  # one float32 sum: the output rounds it once more, unchanged
+    assert torch.equal(product(x, plain), product(x, plain, partial=True).float())
+    with pytest.raises(RuntimeError, match="segment of 48 inputs must be a multiple of 32"):
+        product(x, panels(0, k, 48))
 
 
 def test_results_do_not_depend_on_the_thread_count():

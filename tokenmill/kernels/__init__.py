@@ -104,6 +104,7 @@ class Int4Panels:
     out_features: int
     dot: bool = False
     act_bits: int = 16  # dot layout: x rounded to 8- or 16-bit integers per 32 inputs (ACT_BITS)
+    segment: int = 0    # dot layout: inputs per float32 partial sum, summed in float64 (0: all K)
 
 
 @dataclass
@@ -114,6 +115,7 @@ class Int8Panels:
     out_features: int
     dot: bool = False
     act_bits: int = 16
+    segment: int = 0
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
@@ -158,21 +160,23 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
 
 
 # --------------------------------------------------------------------------- ops
-def int4_linear(x: torch.Tensor, w: Int4Panels) -> torch.Tensor:
+def int4_linear(x: torch.Tensor, w: Int4Panels, partial: bool = False) -> torch.Tensor:
     """x (..., K) float32 -> (..., N). In the dot layout x is first rounded to `w.act_bits`-bit
-    integers per 32 inputs (the product is then exact); the float layout multiplies in float32."""
+    integers per 32 inputs (the product is then exact); the float layout multiplies in float32.
+    `partial` (dot layout): float64 sums, unrounded, for a row-parallel rank's all-reduce (float32
+    otherwise)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if w.dot:
-        y = torch.ops.tokenmill.int4_linear_dot(x2, w.q, w.s, w.m, w.out_features, w.act_bits)
+        y = torch.ops.tokenmill.int4_linear_dot(x2, w.q, w.s, w.m, w.out_features, w.act_bits, w.segment, partial)
     else:
         y = torch.ops.tokenmill.int4_linear(x2, w.q, w.s, w.m, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 
-def int8_linear(x: torch.Tensor, w: Int8Panels) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, w: Int8Panels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if w.dot:
-        y = torch.ops.tokenmill.int8_linear_dot(x2, w.q, w.s, w.out_features, w.act_bits)
+        y = torch.ops.tokenmill.int8_linear_dot(x2, w.q, w.s, w.out_features, w.act_bits, w.segment, partial)
     else:
         y = torch.ops.tokenmill.int8_linear(x2, w.q, w.s, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)

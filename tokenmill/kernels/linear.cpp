@@ -25,7 +25,10 @@
 //   int8  q   uint8 (P, K/4, 16, 4)  byte [p, o, i, j] = q[n, 4o+j] + 128   (unsigned for VPDPBUSD)
 //   y[n] = sum_b d_b s[n, g(b)] (q . xq)_b + sum_g m[n, g] sum_{b in g} d_b sum(xq)_b   (int4)
 //   y[n] = s[n] sum_b d_b ((q + 128) . xq - 128 sum xq)_b                            (int8)
-//   i.e. exactly round(x) . w. One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer
+//   i.e. exactly round(x) . w, summed in float32 over each `segment` of inputs (whole blocks and
+//   groups; all K by default) and over the segments in float64, rounded once at the end (or not at
+//   all: `partial` returns the float64 sums of a tensor-parallel rank's input slice, see YOut).
+//   One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer
 //   instructions per weight than the float layout. 16 bits: a relative error of ~1e-5 of each
 //   block's largest input, float32-level; 8 bits (llama.cpp's Q8 arithmetic): ~1.6x faster at
 //   batch, +0.23 % perplexity on the default model (and greedy answers it is unsure of can change).
@@ -294,6 +297,19 @@ XRows rows_at(const QuantizedX& x, int64_t row0, int64_t K, int64_t group) {
   return {at(x.h), at(x.l), at(x.x16), x.d.data() + row0 * nb, x.xsum.data() + row0 * ng, x.qsum.data() + row0 * nb};
 }
 
+// Where a tile writes (row stride ld): float32 outputs, or, for a row-parallel rank's partial
+// output under tensor parallelism, the float64 sums themselves (one of f, d is set). A tile sums
+// each `segment` of inputs in float32 from zero and the segments' sums in float64, which is exact
+// in practice (a few float32 values); rounding happens once, after the ranks' partials are added.
+// A tensor-parallel rank's input slice is a run of whole segments, so every rank count computes
+// the same float32 segment sums and rounds the same float64 total: TP=N gives TP=1's bits.
+struct YOut {
+  float* f;
+  double* d;
+  int64_t ld;
+  YOut at(int64_t row, int64_t col) const { return {f ? f + row * ld + col : nullptr, d ? d + row * ld + col : nullptr, ld}; }
+};
+
 #if defined(TOKENMILL_DOT512)
 inline v16f load_half(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
@@ -303,6 +319,17 @@ inline __m512i bcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+struct Sum16 {  // 16 float64 lanes: the segment sums of a panel's outputs
+  __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();
+  void add(v16f v) { lo = _mm512_add_pd(lo, _mm512_cvtps_pd(low8(v))), hi = _mm512_add_pd(hi, _mm512_cvtps_pd(high8(v))); }
+  void put(const YOut& y, int64_t col, int n) const {
+    if (y.f) return store(y.f + col, join(_mm512_cvtpd_ps(lo), _mm512_cvtpd_ps(hi)), n);
+    alignas(64) double t[kLanes];
+    _mm512_store_pd(t, lo), _mm512_store_pd(t + 8, hi);
+    std::memcpy(y.d + col, t, sizeof(double) * n);
+  }
+};
+
 // A dot tile is MT rows of x times NP adjacent panels (NP * 16 outputs): each broadcast of x feeds
 // NP weight vectors and each weight vector MT rows, and MT * NP int32 chains run side by side.
 // Measured on this machine's 3072x576 and 576x1536 matrices at 256 rows, one core: 8 bits 5x2
@@ -311,95 +338,105 @@ constexpr int kDot8Rows = 5, kDot16Rows = 3, kDotPanels = 2;
 
 // int4: per (row, panel) an int32 chain of weights times h and, for 16-bit x (W), one times l.
 template <int MT, int NP, bool W>
-__attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
-                   int64_t ldy, int nvalid_last) {
-  const int64_t nb = K / 32, ng = K / group, bpg = group / 32, qstride = K * 8, sstride = ng * kLanes;
+__attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, int64_t segment, const uint8_t* q, const at::Half* s,
+                                             const at::Half* m, YOut y, int nvalid_last) {
+  const int64_t nb = K / 32, ng = K / group, bpg = group / 32, gps = segment / group, qstride = K * 8, sstride = ng * kLanes;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  v16f acc[MT][NP];
-  for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
-  for (int64_t g = 0; g < ng; ++g) {
-    v16f sw[NP], mw[NP];
-    for (int j = 0; j < NP; ++j) sw[j] = load_half(s + j * sstride + g * kLanes), mw[j] = load_half(m + j * sstride + g * kLanes);
-    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      __m512i hacc[MT][NP], lacc[MT][NP];
-      for (int r = 0; r < MT; ++r)
-        for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
-      for (int64_t o = 0; o < 4; ++o) {
-        __m512i lo[NP], hi[NP];
-        for (int j = 0; j < NP; ++j) {
-          const uint8_t* qj = q + j * qstride + (b * 4 + o) * 64;
-          prefetch_ahead(qj);
-          const __m512i v = _mm512_loadu_si512(qj);
-          lo[j] = _mm512_and_si512(v, low), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  Sum16 sum[MT][NP];
+  for (int64_t g0 = 0; g0 < ng; g0 += gps) {
+    v16f acc[MT][NP];
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
+    for (int64_t g = g0; g < g0 + gps; ++g) {
+      v16f sw[NP], mw[NP];
+      for (int j = 0; j < NP; ++j) sw[j] = load_half(s + j * sstride + g * kLanes), mw[j] = load_half(m + j * sstride + g * kLanes);
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        __m512i hacc[MT][NP], lacc[MT][NP];
+        for (int r = 0; r < MT; ++r)
+          for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
+        for (int64_t o = 0; o < 4; ++o) {
+          __m512i lo[NP], hi[NP];
+          for (int j = 0; j < NP; ++j) {
+            const uint8_t* qj = q + j * qstride + (b * 4 + o) * 64;
+            prefetch_ahead(qj);
+            const __m512i v = _mm512_loadu_si512(qj);
+            lo[j] = _mm512_and_si512(v, low), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          }
+          for (int r = 0; r < MT; ++r) {
+            const int64_t at = r * K + b * 32 + o * 8;
+            const __m512i h0 = bcast4(x.h + at), h1 = bcast4(x.h + at + 4);
+            for (int j = 0; j < NP; ++j)
+              hacc[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hacc[r][j], lo[j], h0), hi[j], h1);
+            if constexpr (W) {
+              const __m512i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
+              for (int j = 0; j < NP; ++j)
+                lacc[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lacc[r][j], lo[j], l0), hi[j], l1);
+            }
+          }
         }
         for (int r = 0; r < MT; ++r) {
-          const int64_t at = r * K + b * 32 + o * 8;
-          const __m512i h0 = bcast4(x.h + at), h1 = bcast4(x.h + at + 4);
-          for (int j = 0; j < NP; ++j)
-            hacc[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hacc[r][j], lo[j], h0), hi[j], h1);
-          if constexpr (W) {
-            const __m512i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
-            for (int j = 0; j < NP; ++j)
-              lacc[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lacc[r][j], lo[j], l0), hi[j], l1);
+          const float d = x.d[r * nb + b];
+          for (int j = 0; j < NP; ++j) {
+            const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
+            acc[r][j] += v16f(_mm512_cvtepi32_ps(dot)) * (sw[j] * d);
           }
         }
       }
-      for (int r = 0; r < MT; ++r) {
-        const float d = x.d[r * nb + b];
-        for (int j = 0; j < NP; ++j) {
-          const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
-          acc[r][j] += v16f(_mm512_cvtepi32_ps(dot)) * (sw[j] * d);
-        }
-      }
+      for (int r = 0; r < MT; ++r)
+        for (int j = 0; j < NP; ++j) acc[r][j] += mw[j] * x.xsum[r * ng + g];
     }
     for (int r = 0; r < MT; ++r)
-      for (int j = 0; j < NP; ++j) acc[r][j] += mw[j] * x.xsum[r * ng + g];
+      for (int j = 0; j < NP; ++j) sum[r][j].add(acc[r][j]);
   }
   for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < NP; ++j) store(y + r * ldy + j * kLanes, acc[r][j], j == NP - 1 ? nvalid_last : kLanes);
+    for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
 }
 
 // int8: (q + 128) . xq - 128 sum(xq) per block of 32, scaled per output row at the end.
 template <int MT, int NP, bool W>
-__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid_last) {
-  const int64_t nb = K / 32, qstride = K * kLanes;
-  v16f acc[MT][NP];
-  for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512i hacc[MT][NP], lacc[MT][NP];
+__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
+                                             int nvalid_last) {
+  const int64_t nb = K / 32, bps = segment / 32, qstride = K * kLanes;
+  Sum16 sum[MT][NP];
+  for (int64_t b0 = 0; b0 < nb; b0 += bps) {
+    v16f acc[MT][NP];
     for (int r = 0; r < MT; ++r)
-      for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
-    for (int64_t o = 0; o < 8; ++o) {
-      __m512i v[NP];
-      for (int j = 0; j < NP; ++j) {
-        const uint8_t* qj = q + j * qstride + (b * 8 + o) * 64;
-        prefetch_ahead(qj);
-        v[j] = _mm512_loadu_si512(qj);
+      for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
+    for (int64_t b = b0; b < b0 + bps; ++b) {
+      __m512i hacc[MT][NP], lacc[MT][NP];
+      for (int r = 0; r < MT; ++r)
+        for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
+      for (int64_t o = 0; o < 8; ++o) {
+        __m512i v[NP];
+        for (int j = 0; j < NP; ++j) {
+          const uint8_t* qj = q + j * qstride + (b * 8 + o) * 64;
+          prefetch_ahead(qj);
+          v[j] = _mm512_loadu_si512(qj);
+        }
+        for (int r = 0; r < MT; ++r) {
+          const int64_t at = r * K + b * 32 + o * 4;
+          const __m512i h = bcast4(x.h + at);
+          for (int j = 0; j < NP; ++j) hacc[r][j] = _mm512_dpbusd_epi32(hacc[r][j], v[j], h);
+          if constexpr (W) {
+            const __m512i l = bcast4(x.l + at);
+            for (int j = 0; j < NP; ++j) lacc[r][j] = _mm512_dpbusd_epi32(lacc[r][j], v[j], l);
+          }
+        }
       }
       for (int r = 0; r < MT; ++r) {
-        const int64_t at = r * K + b * 32 + o * 4;
-        const __m512i h = bcast4(x.h + at);
-        for (int j = 0; j < NP; ++j) hacc[r][j] = _mm512_dpbusd_epi32(hacc[r][j], v[j], h);
-        if constexpr (W) {
-          const __m512i l = bcast4(x.l + at);
-          for (int j = 0; j < NP; ++j) lacc[r][j] = _mm512_dpbusd_epi32(lacc[r][j], v[j], l);
+        const __m512i bias = _mm512_set1_epi32(128 * x.qsum[r * nb + b]);
+        const float d = x.d[r * nb + b];
+        for (int j = 0; j < NP; ++j) {
+          const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
+          acc[r][j] += v16f(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias))) * d;
         }
       }
     }
-    for (int r = 0; r < MT; ++r) {
-      const __m512i bias = _mm512_set1_epi32(128 * x.qsum[r * nb + b]);
-      const float d = x.d[r * nb + b];
-      for (int j = 0; j < NP; ++j) {
-        const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
-        acc[r][j] += v16f(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias))) * d;
-      }
-    }
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < NP; ++j) sum[r][j].add(acc[r][j] * load(s + j * kLanes));  // scaled as a whole sum would be
   }
   for (int r = 0; r < MT; ++r)
-    for (int j = 0; j < NP; ++j)
-      store(y + r * ldy + j * kLanes, acc[r][j] * load(s + j * kLanes), j == NP - 1 ? nvalid_last : kLanes);
+    for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
 }
 
 constexpr int kInt4Rows8 = kDot8Rows, kInt4Rows16 = kDot16Rows, kInt8Rows8 = kDot8Rows, kInt8Rows16 = kDot16Rows;
@@ -439,99 +476,122 @@ inline void store8(float* p, __m256 v, int n) {
   else if (n > 0) std::memcpy(p, &v, sizeof(float) * n);
 }
 
+struct Sum8 {  // 8 float64 lanes: the segment sums of an output half
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  void add(__m256 v) {
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  }
+  void put(const YOut& y, int64_t col, int n) const {
+    if (y.f) return store8(y.f + col, _mm256_set_m128(_mm256_cvtpd_ps(hi), _mm256_cvtpd_ps(lo)), n);
+    alignas(32) double t[8];
+    _mm256_store_pd(t, lo), _mm256_store_pd(t + 4, hi);
+    if (n > 0) std::memcpy(y.d + col, t, sizeof(double) * std::min(n, 8));
+  }
+};
+
 template <int MT, int NU, bool W>
-__attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, const uint8_t* q, const at::Half* s, const at::Half* m, float* y,
-                   int64_t ldy, int nvalid) {
-  const int64_t nb = K / 32, ng = K / group, bpg = group / 32;
+__attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, int64_t segment, const uint8_t* q, const at::Half* s,
+                                             const at::Half* m, YOut y, int nvalid) {
+  const int64_t nb = K / 32, ng = K / group, bpg = group / 32, gps = segment / group;
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int u0 = 0; u0 < 2; u0 += NU) {
-    __m256 acc[MT][NU];
-    for (int r = 0; r < MT; ++r)
-      for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; ++g) {
-      __m256 sw[NU], mw[NU];
-      for (int u = 0; u < NU; ++u)
-        sw[u] = load_half8(s + g * kLanes + (u0 + u) * 8), mw[u] = load_half8(m + g * kLanes + (u0 + u) * 8);
-      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-        __m256i hacc[MT][NU], lacc[MT][NU];
-        for (int r = 0; r < MT; ++r)
-          for (int u = 0; u < NU; ++u) hacc[r][u] = lacc[r][u] = _mm256_setzero_si256();
-        for (int64_t o = 0; o < 4; ++o) {
-          const uint8_t* qo = q + (b * 4 + o) * 64;
-          if (u0 == 0) prefetch_ahead(qo);
-          __m256i lo[NU], hi[NU];
-          for (int u = 0; u < NU; ++u) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + (u0 + u) * 32));
-            lo[u] = _mm256_and_si256(v, low), hi[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    Sum8 sum[MT][NU];
+    for (int64_t g0 = 0; g0 < ng; g0 += gps) {
+      __m256 acc[MT][NU];
+      for (int r = 0; r < MT; ++r)
+        for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
+      for (int64_t g = g0; g < g0 + gps; ++g) {
+        __m256 sw[NU], mw[NU];
+        for (int u = 0; u < NU; ++u)
+          sw[u] = load_half8(s + g * kLanes + (u0 + u) * 8), mw[u] = load_half8(m + g * kLanes + (u0 + u) * 8);
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+          __m256i hacc[MT][NU], lacc[MT][NU];
+          for (int r = 0; r < MT; ++r)
+            for (int u = 0; u < NU; ++u) hacc[r][u] = lacc[r][u] = _mm256_setzero_si256();
+          for (int64_t o = 0; o < 4; ++o) {
+            const uint8_t* qo = q + (b * 4 + o) * 64;
+            if (u0 == 0) prefetch_ahead(qo);
+            __m256i lo[NU], hi[NU];
+            for (int u = 0; u < NU; ++u) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + (u0 + u) * 32));
+              lo[u] = _mm256_and_si256(v, low), hi[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            }
+            for (int r = 0; r < MT; ++r) {
+              const int64_t at = r * K + b * 32 + o * 8;
+              const __m256i h0 = bcast4(x.h + at), h1 = bcast4(x.h + at + 4);
+              for (int u = 0; u < NU; ++u) hacc[r][u] = dot_quads(dot_quads(hacc[r][u], lo[u], h0), hi[u], h1);
+              if constexpr (W) {
+                const __m256i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
+                for (int u = 0; u < NU; ++u) lacc[r][u] = dot_quads(dot_quads(lacc[r][u], lo[u], l0), hi[u], l1);
+              }
+            }
           }
           for (int r = 0; r < MT; ++r) {
-            const int64_t at = r * K + b * 32 + o * 8;
-            const __m256i h0 = bcast4(x.h + at), h1 = bcast4(x.h + at + 4);
-            for (int u = 0; u < NU; ++u) hacc[r][u] = dot_quads(dot_quads(hacc[r][u], lo[u], h0), hi[u], h1);
-            if constexpr (W) {
-              const __m256i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
-              for (int u = 0; u < NU; ++u) lacc[r][u] = dot_quads(dot_quads(lacc[r][u], lo[u], l0), hi[u], l1);
+            const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
+            for (int u = 0; u < NU; ++u) {
+              const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(quad_sums(hacc[r][u]), 8), quad_sums(lacc[r][u]))
+                                    : quad_sums(hacc[r][u]);
+              acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw[u], d), acc[r][u]);
             }
           }
         }
-        for (int r = 0; r < MT; ++r) {
-          const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
-          for (int u = 0; u < NU; ++u) {
-            const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(quad_sums(hacc[r][u]), 8), quad_sums(lacc[r][u]))
-                                  : quad_sums(hacc[r][u]);
-            acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw[u], d), acc[r][u]);
-          }
-        }
+        for (int r = 0; r < MT; ++r)
+          for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_fmadd_ps(mw[u], _mm256_set1_ps(x.xsum[r * ng + g]), acc[r][u]);
       }
       for (int r = 0; r < MT; ++r)
-        for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_fmadd_ps(mw[u], _mm256_set1_ps(x.xsum[r * ng + g]), acc[r][u]);
+        for (int u = 0; u < NU; ++u) sum[r][u].add(acc[r][u]);
     }
     for (int r = 0; r < MT; ++r)
-      for (int u = 0; u < NU; ++u) store8(y + r * ldy + (u0 + u) * 8, acc[r][u], nvalid - (u0 + u) * 8);
+      for (int u = 0; u < NU; ++u) sum[r][u].put(y.at(r, 0), (u0 + u) * 8, nvalid - (u0 + u) * 8);
   }
 }
 
 // int8: the 64 bytes of an input quad hold 4 outputs per 16 bytes, widened to 16 int16 lanes
 // (output, input) whose VPMADDWD with x's 4 inputs leaves 2 int32 lanes per output.
 template <int MT, int NU, bool W>
-__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, const uint8_t* q, const float* s, float* y, int64_t ldy, int nvalid) {
-  const int64_t nb = K / 32;
+__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
+                                             int nvalid) {
+  const int64_t nb = K / 32, bps = segment / 32;
   for (int u0 = 0; u0 < 2; u0 += NU) {
-    __m256 acc[MT][NU];
-    for (int r = 0; r < MT; ++r)
-      for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      __m256i iacc[MT][NU][2];
+    Sum8 sum[MT][NU];
+    for (int64_t b0 = 0; b0 < nb; b0 += bps) {
+      __m256 acc[MT][NU];
       for (int r = 0; r < MT; ++r)
-        for (int u = 0; u < NU; ++u) iacc[r][u][0] = iacc[r][u][1] = _mm256_setzero_si256();
-      for (int64_t o = 0; o < 8; ++o) {
-        const uint8_t* qo = q + (b * 8 + o) * 64;
-        if (u0 == 0) prefetch_ahead(qo);
-        __m256i w[NU][2];
-        for (int u = 0; u < NU; ++u)
-          for (int c = 0; c < 2; ++c)
-            w[u][c] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + (u0 + u) * 32 + c * 16)));
-        for (int r = 0; r < MT; ++r) {
-          int64_t four;
-          std::memcpy(&four, x.x16 + r * K + b * 32 + o * 4, 8);
-          const __m256i xb = _mm256_set1_epi64x(four);
+        for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
+      for (int64_t b = b0; b < b0 + bps; ++b) {
+        __m256i iacc[MT][NU][2];
+        for (int r = 0; r < MT; ++r)
+          for (int u = 0; u < NU; ++u) iacc[r][u][0] = iacc[r][u][1] = _mm256_setzero_si256();
+        for (int64_t o = 0; o < 8; ++o) {
+          const uint8_t* qo = q + (b * 8 + o) * 64;
+          if (u0 == 0) prefetch_ahead(qo);
+          __m256i w[NU][2];
           for (int u = 0; u < NU; ++u)
-            for (int c = 0; c < 2; ++c) iacc[r][u][c] = dot_pairs(iacc[r][u][c], w[u][c], xb);
+            for (int c = 0; c < 2; ++c)
+              w[u][c] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qo + (u0 + u) * 32 + c * 16)));
+          for (int r = 0; r < MT; ++r) {
+            int64_t four;
+            std::memcpy(&four, x.x16 + r * K + b * 32 + o * 4, 8);
+            const __m256i xb = _mm256_set1_epi64x(four);
+            for (int u = 0; u < NU; ++u)
+              for (int c = 0; c < 2; ++c) iacc[r][u][c] = dot_pairs(iacc[r][u][c], w[u][c], xb);
+          }
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m256i bias = _mm256_set1_epi32(128 * x.qsum[r * nb + b]);
+          const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
+          for (int u = 0; u < NU; ++u) {  // hadd: [o0 o1 o4 o5 | o2 o3 o6 o7] -> in order
+            const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(iacc[r][u][0], iacc[r][u][1]), 0xD8);
+            acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), d, acc[r][u]);
+          }
         }
       }
-      for (int r = 0; r < MT; ++r) {
-        const __m256i bias = _mm256_set1_epi32(128 * x.qsum[r * nb + b]);
-        const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
-        for (int u = 0; u < NU; ++u) {  // hadd: [o0 o1 o4 o5 | o2 o3 o6 o7] -> in order
-          const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(iacc[r][u][0], iacc[r][u][1]), 0xD8);
-          acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), d, acc[r][u]);
-        }
-      }
+      for (int r = 0; r < MT; ++r)  // scaled as a whole sum would be
+        for (int u = 0; u < NU; ++u) sum[r][u].add(_mm256_mul_ps(acc[r][u], _mm256_loadu_ps(s + (u0 + u) * 8)));
     }
     for (int r = 0; r < MT; ++r)
-      for (int u = 0; u < NU; ++u)
-        store8(y + r * ldy + (u0 + u) * 8, _mm256_mul_ps(acc[r][u], _mm256_loadu_ps(s + (u0 + u) * 8)),
-               nvalid - (u0 + u) * 8);
+      for (int u = 0; u < NU; ++u) sum[r][u].put(y.at(r, 0), (u0 + u) * 8, nvalid - (u0 + u) * 8);
   }
 }
 
@@ -581,10 +641,28 @@ void dispatch_dot(int rows, int np, Args... args) {
 
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
+// segment 0: all K inputs in one float32 sum
+int64_t check_segment(int64_t segment, int64_t K, int64_t unit) {
+  if (segment == 0) return K;
+  TORCH_CHECK(segment > 0 && segment % unit == 0 && K % segment == 0, "a segment of ", segment,
+              " inputs must be a multiple of ", unit, " dividing K = ", K);
+  return segment;
+}
+
+// (M, N) float32, or float64 partial sums
+at::Tensor output(const at::Tensor& x, int64_t N, bool partial) {
+  return at::empty({x.size(0), N}, x.options().dtype(partial ? at::kDouble : at::kFloat));
+}
+YOut out_at(at::Tensor& y, int64_t row, int64_t col) {
+  const int64_t N = y.size(1);
+  return y.scalar_type() == at::kDouble ? YOut{nullptr, y.data_ptr<double>(), N}.at(row, col)
+                                        : YOut{y.data_ptr<float>(), nullptr, N}.at(row, col);
+}
+
 }  // namespace
 
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
-                           int64_t N, int64_t bits) {
+                           int64_t N, int64_t bits, int64_t segment, bool partial) {
   check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "int4 dot weights must be uint8 (P, K/8, 64)");
@@ -594,24 +672,25 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
+  segment = check_segment(segment, K, group);
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16, kHalves);
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = output(x, N, partial);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const at::Half *sp = s.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
-  float* yp = y.data_ptr<float>();
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const uint8_t* qt = qp + p * K * 8;
     const at::Half *st = sp + p * G * kLanes, *mt = mp + p * G * kLanes;
-    float* yt = yp + r * N + p * kLanes;
-    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, xr, K, group, qt, st, mt, yt, N, nvalid);
-    else dispatch_dot<Int4Dot8Tile>(rows, np, xr, K, group, qt, st, mt, yt, N, nvalid);
+    const YOut yt = out_at(y, r, p * kLanes);
+    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, xr, K, group, segment, qt, st, mt, yt, nvalid);
+    else dispatch_dot<Int4Dot8Tile>(rows, np, xr, K, group, segment, qt, st, mt, yt, nvalid);
   });
   return y;
 }
 
-at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits) {
+at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits,
+                           int64_t segment, bool partial) {
   check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "int8 dot weights must be uint8 (P, K/4, 64)");
@@ -622,18 +701,18 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
+  segment = check_segment(segment, K, 32);
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kInt8X);
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = output(x, N, partial);
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = s.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const int tile = bits == 16 ? kInt8Rows16 : kInt8Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, 0);
     const uint8_t* qt = qp + p * K * kLanes;
-    float* yt = yp + r * N + p * kLanes;
-    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
-    else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, qt, sp + p * kLanes, yt, N, nvalid);
+    const YOut yt = out_at(y, r, p * kLanes);
+    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
+    else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
   });
   return y;
 }
@@ -653,8 +732,8 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
 #ifdef TOKENMILL_DOT
-  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits) -> Tensor");
-  m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N, int bits) -> Tensor");
+  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits, int segment=0, bool partial=False) -> Tensor");
+  m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N, int bits, int segment=0, bool partial=False) -> Tensor");
 #endif
 }
 

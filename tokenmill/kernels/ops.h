@@ -25,9 +25,12 @@ namespace tokenmill {
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m, int64_t N);
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N);
 #ifdef TOKENMILL_DOT
+// segment: inputs per float32 partial sum (0: all), summed in float64 (linear.cpp); partial: return
+// those float64 sums (a row-parallel rank's share, added over the ranks before rounding)
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
-                           int64_t N, int64_t bits);
-at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits);
+                           int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
+at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits,
+                           int64_t segment = 0, bool partial = false);
 #endif
 // K/V caches the paged kernels read: contiguous float32/float16 (num_blocks, block_size, Hkv, D), same shape.
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache);
