@@ -141,6 +141,24 @@ class ShardPlan:
         return tensor[:, start:start + count], out
 
 
+def row_parallel_bounds(arch) -> dict[str, tuple[int, ...]]:
+    """Where ranks' input slices of each row-parallel projection begin and end, over every rank
+    count the model allows: {"self_attn.o_proj": bounds, "mlp.down_proj": bounds}, the whole
+    projection's input count last (empty tuples when it cannot be sharded). Every process, one or
+    many, sums those projections in runs that these bounds divide (layers/linear.py
+    `reduction_segment`), so that TP=N adds the same numbers as TP=1."""
+    attn, mlp = {arch.num_heads * arch.head_dim}, {arch.intermediate_size}
+    for size in range(2, min(arch.num_kv_heads, arch.intermediate_size) + 1):
+        for rank in range(1, size):
+            try:
+                plan = ShardPlan.for_rank(arch, rank, size)
+            except ValueError:  # not shardable (mixtures of experts): one process sums as it likes
+                return {"self_attn.o_proj": (), "mlp.down_proj": ()}
+            attn.add(plan._cols("self_attn.o_proj")[0])
+            mlp.add(plan.inter[0])
+    return {"self_attn.o_proj": tuple(sorted(attn)), "mlp.down_proj": tuple(sorted(mlp))}
+
+
 SHM_SLOT_BYTES = 4 << 20  # per rank and step of the shared-memory all-reduce; larger tensors go in chunks
 SHM_MSG_BYTES = 4 << 20   # a step's message from rank 0; a larger one goes over the group instead
 SHM_TIMEOUT_S = 600.0      # a rank that stays away this long mid-step fails the step
@@ -157,7 +175,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place."""
-        if self.shm is not None and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+        if self.shm is not None and x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu" \
+                and x.is_contiguous():
             self.shm.all_reduce_(x)
             return x
         import torch.distributed as dist

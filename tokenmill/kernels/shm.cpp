@@ -104,26 +104,32 @@ at::Tensor ShmAllReduce::receive() {
   return out;
 }
 
-void ShmAllReduce::all_reduce_(at::Tensor t) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(),
-              "shared-memory all-reduce takes a contiguous float32 CPU tensor");
-  float* data = t.data_ptr<float>();
-  const int64_t per = slot_bytes_ / static_cast<int64_t>(sizeof(float));
-  for (int64_t off = 0, n = t.numel(); off < n; off += per) reduce_chunk(data + off, std::min(per, n - off));
+template <typename T>
+void ShmAllReduce::reduce_all(T* data, int64_t n) {
+  const int64_t per = slot_bytes_ / static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < n; off += per) reduce_chunk(data + off, std::min(per, n - off));
 }
 
-void ShmAllReduce::reduce_chunk(float* data, int64_t n) {
+template <typename T>
+void ShmAllReduce::reduce_chunk(T* data, int64_t n) {
   const int64_t step = ++step_;
-  auto slot = [&](int64_t r) { return reinterpret_cast<float*>(base_ + sizeof(Header) + (2 * r + step % 2) * slot_bytes_); };
-  std::memcpy(slot(rank_), data, n * sizeof(float));
+  auto slot = [&](int64_t r) { return reinterpret_cast<T*>(base_ + sizeof(Header) + (2 * r + step % 2) * slot_bytes_); };
+  std::memcpy(slot(rank_), data, n * sizeof(T));
   header_->published[rank_].value.store(step, std::memory_order_release);
   for (int64_t r = 0; r < size_; ++r) wait_for(header_->published[r].value, step, false);
   // every rank sums in rank order: the same bits everywhere
-  std::memcpy(data, slot(0), n * sizeof(float));
+  std::memcpy(data, slot(0), n * sizeof(T));
   for (int64_t r = 1; r < size_; ++r) {
-    const float* s = slot(r);
+    const T* s = slot(r);
     for (int64_t i = 0; i < n; ++i) data[i] += s[i];
   }
+}
+
+void ShmAllReduce::all_reduce_(at::Tensor t) {
+  TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble) && t.is_contiguous(),
+              "shared-memory all-reduce takes a contiguous float32 or float64 CPU tensor");
+  if (t.scalar_type() == at::kDouble) return reduce_all(t.data_ptr<double>(), t.numel());
+  reduce_all(t.data_ptr<float>(), t.numel());
 }
 
 }  // namespace tokenmill

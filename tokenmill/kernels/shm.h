@@ -34,7 +34,7 @@ class ShmAllReduce : public torch::CustomClassHolder {
   ~ShmAllReduce() override;
   static int64_t bytes_needed(int64_t size, int64_t slot_bytes, int64_t msg_bytes);
 
-  // Sums a contiguous float32 CPU tensor over the ranks, in place.
+  // Sums a contiguous float32 or float64 CPU tensor over the ranks, in place.
   void all_reduce_(at::Tensor t);
   // Rank 0: hands `bytes` (uint8) to every other rank; false (nothing sent) if it exceeds msg_bytes.
   bool send(at::Tensor bytes);
@@ -45,7 +45,10 @@ class ShmAllReduce : public torch::CustomClassHolder {
 
  private:
   struct Header;
-  void reduce_chunk(float* data, int64_t n);
+  template <typename T>
+  void reduce_all(T* data, int64_t n);
+  template <typename T>
+  void reduce_chunk(T* data, int64_t n);
   Header* header_ = nullptr;
   char* base_ = nullptr;
   size_t mapped_ = 0;

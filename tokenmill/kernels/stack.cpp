@@ -25,26 +25,28 @@ enum Kind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kInt4Dot = 3, kInt8Dot =
 enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
 struct Projection {
-  int64_t kind = kFloat, n = 0, bits = 16, float_min_rows = 0;
+  int64_t kind = kFloat, n = 0, bits = 16, float_min_rows = 0, segment = 0;
   at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight
   at::Tensor bias, perm, fw;  // optional: bias (N,), input order (K,) of act-order GPTQ, float copy
 
-  // As tokenmill.layers.linear.Linear.forward.
-  at::Tensor operator()(const at::Tensor& x) const {
-    if (fw.defined() && x.size(0) > float_min_rows) return at::linear(x, fw, bias);
-    if (kind == kFloat) return at::linear(x, q, bias);
+  // As tokenmill.layers.linear.Linear.forward; `partial`: a row-parallel rank's share, float64 from
+  // the int kernels (Linear.partial_sums), the bias left to the caller.
+  at::Tensor operator()(const at::Tensor& x, bool partial = false) const {
+    const at::Tensor& b = partial ? at::Tensor() : bias;
+    if (fw.defined() && x.size(0) > float_min_rows) return at::linear(x, fw, b);
+    if (kind == kFloat) return at::linear(x, q, b);
     const at::Tensor xi = perm.defined() ? x.index_select(1, perm) : x;
     at::Tensor y;
     switch (kind) {
       case kInt4: y = int4_linear(xi, q, s, m, n); break;
       case kInt8: y = int8_linear(xi, q, s, n); break;
 #ifdef TOKENMILL_DOT
-      case kInt4Dot: y = int4_linear_dot(xi, q, s, m, n, bits); break;
-      case kInt8Dot: y = int8_linear_dot(xi, q, s, n, bits); break;
+      case kInt4Dot: y = int4_linear_dot(xi, q, s, m, n, bits, segment, partial); break;
+      case kInt8Dot: y = int8_linear_dot(xi, q, s, n, bits, segment, partial); break;
 #endif
       default: TORCH_CHECK(false, "unknown projection kind ", kind);
     }
-    return bias.defined() ? y + bias : y;
+    return b.defined() ? y + b : y;
   }
 };
 
@@ -142,13 +144,13 @@ class DecodeStack : public torch::CustomClassHolder {
   // Appends the last layer's next projection, in the order qkv, o, gate_up, down (or the experts').
   void add_projection(int64_t kind, at::Tensor q, c10::optional<at::Tensor> s, c10::optional<at::Tensor> m,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> perm, c10::optional<at::Tensor> fw,
-                      int64_t n, int64_t bits, int64_t float_min_rows) {
+                      int64_t n, int64_t bits, int64_t float_min_rows, int64_t segment) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().complete(), "add_layer first; the layer has all its projections");
     Layer& last = layers_.back();
     if (last.num_experts && last.proj.size() == 2) {  // an expert's gate_up (2 x its width) or down
       const bool down = last.expert_proj.size() % 2 == 1;
       TORCH_CHECK(down ? n == hidden() : n % 2 == 0, "expert projection has ", n, " outputs");
-      last.expert_proj.push_back(Projection{kind, n, bits, float_min_rows, q, s.value_or(at::Tensor()),
+      last.expert_proj.push_back(Projection{kind, n, bits, float_min_rows, segment, q, s.value_or(at::Tensor()),
                                             m.value_or(at::Tensor()), bias.value_or(at::Tensor()),
                                             perm.value_or(at::Tensor()), fw.value_or(at::Tensor())});
       return;
@@ -160,7 +162,7 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t i = static_cast<int64_t>(layers_.back().proj.size());
     const int64_t want[4] = {(hq_ + 2 * hkv_) * d_, hidden(), 2 * inter_, hidden()};
     TORCH_CHECK(i == 0 || n == want[i], "projection ", i, " has ", n, " outputs, expected ", want[i]);
-    Projection p{kind, n, bits, float_min_rows, q, s.value_or(at::Tensor()), m.value_or(at::Tensor()),
+    Projection p{kind, n, bits, float_min_rows, segment, q, s.value_or(at::Tensor()), m.value_or(at::Tensor()),
                  bias.value_or(at::Tensor()), perm.value_or(at::Tensor()), fw.value_or(at::Tensor())};
     layers_.back().proj.push_back(std::move(p));
   }
@@ -198,16 +200,14 @@ class DecodeStack : public torch::CustomClassHolder {
                    L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>());
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_, L.window);
-      at::Tensor a = L.proj[1](o.view({B, hq_ * d_}));
-      reduce(a);
+      const at::Tensor a = row_parallel(L.proj[1], o.view({B, hq_ * d_}));
       add_into(h, L.attn_out_norm.defined() ? rms_norm(a, L.attn_out_norm, eps_) : a);
       if (L.num_experts) {
         add_into(h, experts(L, rms_norm(h, L.post_norm, eps_)));
         continue;
       }
       const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
-      at::Tensor m = L.proj[3](activation(gu));
-      reduce(m);
+      const at::Tensor m = row_parallel(L.proj[3], activation(gu));
       add_into(h, L.mlp_out_norm.defined() ? rms_norm(m, L.mlp_out_norm, eps_) : m);
     }
     return h;
@@ -216,12 +216,16 @@ class DecodeStack : public torch::CustomClassHolder {
  private:
   int64_t hidden() const { return layers_.back().in_norm.numel(); }
 
-  // A row-parallel projection's partial output summed over the tensor-parallel ranks (if any).
-  void reduce(at::Tensor& t) const {
+  // A row-parallel projection (o, down): under tensor parallelism the rank's partial output (float64
+  // from the int kernels) summed over the ranks, then rounded to float32, as Linear.forward does.
+  at::Tensor row_parallel(const Projection& p, const at::Tensor& x) const {
+    if (!tp_shm_ && tp_group_.empty()) return p(x);
+    at::Tensor t = p(x, /*partial=*/true);
     if (tp_shm_)
       tp_shm_->all_reduce_(t);
-    else if (!tp_group_.empty())
+    else
       all_reduce_(t, tp_group_);
+    return t.scalar_type() == at::kFloat ? t : t.to(at::kFloat);
   }
 
   // As SparseMoE.forward: softmax router, top k, optional renormalisation; (token, slot) pairs

@@ -8,10 +8,13 @@ exactly, when every shard came as GGUF Q4_0/Q4_1 blocks, or by round-to-nearest 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.quant import int4, int8
 
 QUANT_POLICIES = ("auto", "none", "int8", "int4", "awq", "gptq")
@@ -66,12 +69,14 @@ class Linear(nn.Module):
         param.data[start:start + size].copy_(loaded)
 
     def quantize(self, policy: str, group_size: int, allow_int4: bool = True, keep_float: bool = False,
-                 activation_bits: int = 16) -> None:
+                 activation_bits: int = 16, row_bounds: tuple[int, ...] = ()) -> None:
         """Replace the float weight by a quantized one according to `policy`:
         auto (awq, gptq): exact int4/int8 where the checkpoint stored those (GGUF Q4_0/Q4_1, AWQ, GPTQ),
         int8 for other quantized tensors;
         int8 / int4: round-to-nearest for the rest too; none: keep float.
-        `activation_bits` (8 | 16): what the VNNI kernels round inputs to (`tokenmill.kernels`)."""
+        `activation_bits` (8 | 16): what the VNNI kernels round inputs to (`tokenmill.kernels`).
+        `row_bounds`: where tensor-parallel ranks' input slices of this (row-parallel) projection can
+        begin and end, at any rank count (`tensor_parallel.row_parallel_bounds`); see `reduction_segment`."""
         if policy == "int4" and group_size not in int4.GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {int4.GROUP_SIZES}, got {group_size}.")
         expected = list(self.shard_offsets) or [None]
@@ -95,6 +100,9 @@ class Linear(nn.Module):
         if self.qweight is not None:
             if self.qweight.panels is not None:
                 self.qweight.panels.act_bits = activation_bits
+                unit = self.qweight.group_size if isinstance(self.qweight, int4.Int4Weight) else 32
+                perm = self.input_perm is not None  # permuted inputs: slices are not runs of them
+                self.qweight.panels.segment = 0 if perm else reduction_segment(self.in_features, unit, row_bounds)
             self.float_weight = self.weight.data if keep_float else None
             self.weight = None
 
@@ -106,8 +114,23 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
             return self._matmul(x, self.bias)
-        y = self.tp_group.all_reduce(self._matmul(x, None))
+        y = self.tp_group.all_reduce(self.partial_sums(x)).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel rank's share of the output, before the all-reduce and the bias: float64
+        from the dot-layout int kernels, whose sums then round once after the ranks' shares are
+        added, exactly as the whole sum rounds in one process (`reduction_segment`); else as
+        `_matmul` computes it."""
+        q = self.qweight
+        panels = q.panels if q is not None else None
+        if panels is None or not panels.dot or \
+                (self.float_weight is not None and x.numel() > FLOAT_MIN_ROWS * self.in_features):
+            return self._matmul(x, None)
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
+        product = kernels.int4_linear if isinstance(q, int4.Int4Weight) else kernels.int8_linear
+        return product(x.float(), panels, partial=True)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         q = self.qweight
@@ -119,6 +142,21 @@ class Linear(nn.Module):
             x = x.index_select(-1, self.input_perm)
         y = int4.matmul(x, q) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q)
         return y if bias is None else y + bias
+
+
+def reduction_segment(in_features: int, unit: int, row_bounds) -> int:
+    """How many inputs the int kernels sum in float32 before adding the sums in float64 (0: all).
+
+    Tensor parallelism splits a row-parallel projection's inputs among the ranks and adds their
+    partial outputs. Summed in float32 over each slice, the total differs from one sum over all
+    inputs in its last bits, and with 8-bit activations the next layer's rounding magnifies that
+    into different greedy tokens. So every process sums runs of `segment` inputs that every
+    possible slice bound divides (in units of the kernels' blocks or int4 groups) and adds the runs
+    in float64, exact for a few float32 values: one process and N ranks add the same numbers.
+    Bounds that are not whole units are left out; those slices fall back to other weights anyway.
+    `in_features` is this process's share (all of them without tensor parallelism)."""
+    segment = math.gcd(*(b for b in row_bounds if b % unit == 0))
+    return segment if 0 < segment < in_features and in_features % segment == 0 else 0
 
 
 class FusedLinear(Linear):

@@ -70,17 +70,18 @@ def _projections(layer) -> list[Linear]:
 
 
 def _projection_args(proj: Linear) -> tuple:
-    """stack.cpp's add_projection(kind, q, s, m, bias, perm, float_weight, n, bits, float_min_rows)."""
+    """stack.cpp's add_projection(kind, q, s, m, bias, perm, float_weight, n, bits, float_min_rows, segment)."""
     bias = None if proj.bias is None else proj.bias.data
     q = proj.qweight
     if q is None:
-        return 0, proj.weight.data, None, None, bias, None, None, proj.out_features, 16, 0
+        return 0, proj.weight.data, None, None, bias, None, None, proj.out_features, 16, 0, 0
     p = q.panels
     if isinstance(q, int4.Int4Weight):
         kind, s, m = (3 if p.dot else 1), p.s, p.m
     else:
         kind, s, m = (4 if p.dot else 2), p.s, None
-    return kind, p.q, s, m, bias, proj.input_perm, proj.float_weight, p.out_features, p.act_bits, FLOAT_MIN_ROWS
+    return (kind, p.q, s, m, bias, proj.input_perm, proj.float_weight, p.out_features, p.act_bits, FLOAT_MIN_ROWS,
+            p.segment)
 
 
 def _unsupported(model: CausalLM) -> str | None:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.distributed.tensor_parallel import row_parallel_bounds
 from tokenmill.layers.attention import Attention, get_forward_context
 from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
@@ -141,6 +142,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, tp: tuple | None = None) -> None:
         super().__init__()
         self.plan, self.tp_group = tp if tp is not None else (None, None)
+        self.row_bounds = row_parallel_bounds(cfg)  # of the whole model, with or without tp
         if self.plan is not None:
             cfg = self.plan.local_arch(cfg)
         self.cfg = cfg
@@ -221,8 +223,9 @@ class CausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear) and not module.keep_float:
                 head = name == "lm_head"
+                bounds = next((v for k, v in self.row_bounds.items() if name.endswith(k)), ())
                 module.quantize(policy, group_size, allow_int4=not head, keep_float=keep_float,
-                                activation_bits=16 if head else activation_bits)
+                                activation_bits=16 if head else activation_bits, row_bounds=bounds)
         embed_q = "model.embed_tokens.weight" in self.quantized_sources
         if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
             self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)
