@@ -352,3 +352,25 @@ def test_speculative_decoding_under_tp(tiny_llama, method):
         assert sum(o.metrics.num_accepted_tokens for o in got) > 20
     assert_same(ref, got, 1e-4)
 
+
+def test_a_worker_that_dies_before_joining_fails_the_start_at_once(tiny_llama, tmp_path):
+    """A script that creates a TP engine at import time, without `if __name__ == "__main__":`: each
+    spawned worker imports it, starts an engine of its own and fails. Rank 0 reports that worker's
+    death within seconds and says why (it used to wait out the group's 30-minute timeout)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "no_main_guard.py"
+    script.write_text("from tokenmill import LLM\n"
+                      f"LLM({tiny_llama!r}, tensor_parallel_size=2, skip_tokenizer_init=True, kv_cache_memory='64MiB')\n")
+    root = str(pathlib.Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert r.returncode != 0
+    assert "tensor-parallel rank 1" in r.stderr and "before it joined the tensor-parallel group" in r.stderr
+    assert 'if __name__ == "__main__":' in r.stderr
+    assert time.monotonic() - t0 < 120

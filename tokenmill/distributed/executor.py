@@ -41,6 +41,7 @@ log = logging.getLogger("tokenmill")
 STOP, PING = "stop", "ping"
 PING_EVERY_S = 60.0  # idle rank 0 pings this often: far inside the group's timeout
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long (loading included)
+JOINED = "tokenmill/joined"  # store counter: workers that have reached rank 0's rendezvous
 
 
 @dataclass
@@ -61,14 +62,21 @@ def place(cores: list[int] | None, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def init_group(spec: WorkerSpec) -> TPGroup:
+def init_group(spec: WorkerSpec, dead_worker=None) -> TPGroup:
+    """Join the group. Rank 0 passes `dead_worker` (Executor._dead_worker): while it waits for the
+    workers to arrive it watches them, so a worker that dies first fails the start at once."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process; a tensor-parallel engine "
                            "starts its own group (one tensor-parallel engine per process).")
     host, port = spec.master
-    store = dist.TCPStore(host, port, spec.size, is_master=spec.rank == 0, timeout=GROUP_TIMEOUT)
+    store = dist.TCPStore(host, port, spec.size, is_master=spec.rank == 0, timeout=GROUP_TIMEOUT,
+                          wait_for_workers=False)
+    if spec.rank == 0:
+        await_workers(store, spec.size, dead_worker)
+    else:
+        store.add(JOINED, 1)
     # gloo carries CPU tensors (where shared memory cannot); NCCL the CUDA ones, each rank on its card
     cuda = resolve_device(spec.config.model.device).type == "cuda"
     if cuda:
@@ -78,6 +86,20 @@ def init_group(spec: WorkerSpec) -> TPGroup:
     world = dist.group.WORLD
     shm = None if cuda else shared_memory_all_reduce(world, spec.rank, spec.size)
     return TPGroup(spec.rank, spec.size, world, shm)
+
+
+def await_workers(store, size: int, dead_worker=None, poll_s: float = 0.05) -> None:
+    """Until every worker has reached the store: a worker that dies before (an import error, a
+    missing `if __name__ == "__main__":`) raises WorkerDiedError here, not a timeout 30 min on."""
+    deadline = time.monotonic() + GROUP_TIMEOUT.total_seconds()
+    while store.add(JOINED, 0) < size - 1:
+        dead = dead_worker(poll_s) if dead_worker is not None else None
+        if dead:
+            raise WorkerDiedError(f"{dead} before it joined the tensor-parallel group")
+        if dead_worker is None:
+            time.sleep(poll_s)
+        if time.monotonic() > deadline:
+            raise WorkerDiedError(f"the tensor-parallel workers did not arrive within {GROUP_TIMEOUT}")
 
 
 def load_shard(config: EngineConfig, group: TPGroup):
@@ -141,6 +163,7 @@ def worker_main(spec: WorkerSpec, die_with_parent: bool = True) -> None:
 class Executor:
     """Rank 0's handle on its workers: start, feed each step, watch, stop. Subclasses start the
     workers (`_start_workers`) and say whether one has stopped (`_dead_worker`)."""
+    join_hint = ""  # what a worker's death before it joined most often means, for the error
 
     def __init__(self, config: EngineConfig, size: int) -> None:
         self.config, self.size = config, size
@@ -166,7 +189,11 @@ class Executor:
                                     logging.getLogger("tokenmill").getEffectiveLevel()))
         self._start_workers(specs[1:])
         place(specs[0].cores, specs[0].threads)
-        self.group = init_group(specs[0])
+        try:
+            self.group = init_group(specs[0], self._dead_worker)
+        except WorkerDiedError as e:
+            self.failure = f"{e}{self.join_hint}"
+            raise WorkerDiedError(self.failure) from None
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="tokenmill-tp-watch", daemon=True).start()
         return self.group
@@ -273,6 +300,9 @@ class Executor:
 
 class MultiprocExecutor(Executor):
     """Workers as local processes (spawned: a fork would copy rank 0's threads' state)."""
+    join_hint = ("; its error is above. Spawned workers first import the program's main module: a "
+                 "script that creates the LLM at import time creates it again in every worker, which "
+                 "fails. Put that code under `if __name__ == \"__main__\":`.")
 
     def __init__(self, config: EngineConfig, size: int) -> None:
         super().__init__(config, size)
