@@ -8,6 +8,8 @@ any importable module of that name.)
 
     python benchmarks/kernel_bench.py                      # a 1536x576 MLP matrix of SmolLM2
     python benchmarks/kernel_bench.py --n 49152 --k 576    # its output head
+    python benchmarks/kernel_bench.py --n 576 --k 1536 --segment 256   # down_proj summed as under TP
+                                                                       # (`_seg` columns)
 """
 import argparse
 import json
@@ -23,6 +25,8 @@ ap.add_argument("--n", type=int, default=1536)
 ap.add_argument("--k", type=int, default=576)
 ap.add_argument("--rows", default="1,4,16,32,64,256")
 ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--segment", type=int, default=0,
+                help="also time the dot kernels summing this many inputs per float32 run (layers/linear.py)")
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
 w = torch.randn(a.n, a.k)
@@ -56,6 +60,11 @@ for m in [int(r) for r in a.rows.split(",")]:
             tag = "" if bits == 16 else "_a8"
             row[f"tokenmill_int4{tag}_us"] = timed(lambda: kernels.int4_linear(x, tm4), reps)
             row[f"tokenmill_int8{tag}_us"] = timed(lambda: kernels.int8_linear(x, tm8), reps)
+            if a.segment and tm4.dot:
+                tm4.segment = tm8.segment = a.segment
+                row[f"tokenmill_int4{tag}_seg_us"] = timed(lambda: kernels.int4_linear(x, tm4), reps)
+                row[f"tokenmill_int8{tag}_seg_us"] = timed(lambda: kernels.int8_linear(x, tm8), reps)
+                tm4.segment = tm8.segment = 0
         row["tokenmill_layout"] = "dot" if tm4.dot else "float"
     row.update({"torch_int4_bf16_us": timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz), reps),
                 "torch_int8_bf16_us": timed(lambda: torch._weight_int8pack_mm(xb, w8.q, scale8), reps),
