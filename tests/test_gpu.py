@@ -68,3 +68,16 @@ def test_quantized_checkpoint_serves_dequantized_on_cuda(tiny_llama, tmp_path):
     gpu = loader.load(str(tmp_path / "q"), "float32", torch.device("cuda"), load_tokenizer=False, quantization="gptq")
     got = gpu.model.compute_logits(gpu.model(ids.cuda(), torch.arange(20, device="cuda"))).cpu()
     torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_more_tensor_parallel_ranks_than_devices_are_refused(tiny_llama):
+    """One rank per CUDA device (NCCL): asking for more ranks than devices is a clear error before any
+    worker starts, not a CUDA failure inside one."""
+    from tokenmill import LLM
+
+    n = torch.cuda.device_count() + 1
+    with pytest.raises(ValueError, match=f"tensor_parallel_size {n} runs one rank per CUDA device"):
+        LLM(tiny_llama, tensor_parallel_size=n, device="cuda", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="'ray' places CPU ranks"):
+        LLM(tiny_llama, tensor_parallel_size=2, device="cuda", distributed_executor_backend="ray",
+            skip_tokenizer_init=True)

@@ -176,6 +176,7 @@ class Executor:
 
     def start(self) -> TPGroup:
         """Start the workers, join the group as rank 0; its group is for rank 0's shard."""
+        self._check_devices()
         threads_each = self.config.model.threads
         cores = sorted(os.sched_getaffinity(0))
         shares = rank_core_sets(cores, self.size)
@@ -197,6 +198,15 @@ class Executor:
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="tokenmill-tp-watch", daemon=True).start()
         return self.group
+
+    def _check_devices(self) -> None:
+        """CUDA ranks take one device each on this host (rank r: cuda:r), over NCCL."""
+        if resolve_device(self.config.model.device).type != "cuda":
+            return
+        have = torch.cuda.device_count()
+        if self.size > have:
+            raise ValueError(f"tensor_parallel_size {self.size} runs one rank per CUDA device and this machine has "
+                             f"{have}; lower it, or run the ranks on CPUs (--device cpu).")
 
     def handshake(self, num_blocks: int | None, error: str | None = None) -> None:
         """After rank 0 loaded (or failed to): learn every rank's outcome, hand out the cache size."""

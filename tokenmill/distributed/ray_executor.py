@@ -47,6 +47,14 @@ class RayExecutor(Executor):
         self.pg = None
         self._started_ray = False
 
+    def _check_devices(self) -> None:
+        from tokenmill.utils import resolve_device
+        if resolve_device(self.config.model.device).type == "cuda":
+            # a Ray actor sees the GPUs its bundle reserves, and rank 0 (this process) holds none:
+            # CUDA ranks would need GPU bundles and a device map that no test here has exercised
+            raise ValueError("distributed_executor_backend 'ray' places CPU ranks; for CUDA ranks on one host use "
+                             "the default backend 'mp' (one rank per device, NCCL), or --device cpu.")
+
     def _connect(self) -> None:
         ray = _ray()
         if not ray.is_initialized():
