@@ -3,7 +3,8 @@
 per configuration, one alive at a time): decode tok/s at 1 and 16 streams (short prompts, ignore_eos,
 so decode dominates), the steps' median time, appended to --out. `allreduce`: two ranks pinned to
 cores 0 and 1, the median time of one all-reduce of (rows, hidden) float32 through shared memory
-and through gloo, as a decode step does 2 per layer (+1 for the embedding)."""
+and through gloo, as a decode step does 2 per layer (+1 for the embedding); and of float64 through
+shared memory, what the row-parallel projections' int kernels hand over (`_f64` keys)."""
 import argparse
 import json
 import os
@@ -48,8 +49,9 @@ def _allreduce_rank(rank, shapes, port, out):
     shm = shared_memory_all_reduce(dist.group.WORLD, rank, 2)
     res = {}
     for rows, hidden in shapes:
-        t = torch.randn(rows, hidden)
-        for name, fn in (("shm", lambda: shm.all_reduce_(t)), ("gloo", lambda: dist.all_reduce(t))):
+        t, t64 = torch.randn(rows, hidden), torch.randn(rows, hidden, dtype=torch.float64)
+        for name, fn in (("shm", lambda: shm.all_reduce_(t)), ("gloo", lambda: dist.all_reduce(t)),
+                         ("shm_f64", lambda: shm.all_reduce_(t64))):
             n = 200 if name == "gloo" else 2000
             for _ in range(20):
                 fn()
