@@ -50,7 +50,7 @@ def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-async def _one(i: int, rng: random.Random, base: str, tally: Tally) -> None:
+async def _one(i: int, rng: random.Random, base: str, tally: Tally, max_new: int) -> None:
     import httpx
     import openai
 
@@ -59,7 +59,7 @@ async def _one(i: int, rng: random.Random, base: str, tally: Tally) -> None:
     n = rng.choice([1, 1, 1, 2, 3])
     long = rng.random() < 0.15
     prompt = _text(rng, rng.randint(250, 330) if long else rng.randint(3, 40))
-    body: dict = {"model": MODEL, "max_tokens": rng.randint(1, 96), "n": n, "temperature": rng.choice([0, 0.7, 1.0]),
+    body: dict = {"model": MODEL, "max_tokens": rng.randint(1, max_new), "n": n, "temperature": rng.choice([0, 0.7, 1.0]),
                   "seed": rng.randint(0, 2**31), "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.25:
         body["stop"] = rng.sample(WORDS, rng.randint(1, 4))
@@ -124,7 +124,7 @@ async def _one(i: int, rng: random.Random, base: str, tally: Tally) -> None:
         tally.errors.append(f"request {i} ({path}, stream={stream}, n={n}): {type(e).__name__}: {e}"[:400])
 
 
-async def _load(base: str, requests: range, concurrency: int, seed: int, tally: Tally) -> None:
+async def _load(base: str, requests: range, concurrency: int, seed: int, tally: Tally, max_new: int) -> None:
     queue: asyncio.Queue = asyncio.Queue()
     for i in requests:
         queue.put_nowait(i)
@@ -132,13 +132,15 @@ async def _load(base: str, requests: range, concurrency: int, seed: int, tally: 
     async def worker() -> None:
         while not queue.empty():
             i = queue.get_nowait()
-            await _one(i, random.Random(seed * 1_000_003 + i), base, tally)
+            await _one(i, random.Random(seed * 1_000_003 + i), base, tally, max_new)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memory: str = "12MiB",
-        max_model_len: int = 512) -> dict:
+        max_model_len: int = 512, max_new: int = 96) -> dict:
+    """`max_new`: requests ask for 1..max_new tokens (what leaks is per request, not per token: a
+    short CI soak keeps the request count and shortens the answers)."""
     import psutil
     import uvicorn
 
@@ -177,7 +179,7 @@ def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memo
     rss = []  # after each fifth of the requests: a leak grows with the count, a warm-up levels off
     try:
         for lo, hi in zip(fifths, fifths[1:]):
-            asyncio.run(_load(base, range(lo, hi), concurrency, seed, tally))
+            asyncio.run(_load(base, range(lo, hi), concurrency, seed, tally, max_new))
             rss.append(round(proc.memory_info().rss / 2**20, 1))
         wall = time.monotonic() - t0
         deadline = time.monotonic() + 60  # aborts of the last cancelled requests reach the engine thread

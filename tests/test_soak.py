@@ -11,7 +11,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_soak_loses_nothing_and_leaks_nothing():
     requests = int(os.environ.get("TOKENMILL_SOAK_REQUESTS", "300"))
-    r = soak.run(requests=requests, concurrency=24, seed=1)
+    r = soak.run(requests=requests, concurrency=24, seed=1, max_new=48)
     print(r)
     assert r["lost"] == 0, r["errors"]
     assert r["completed"] + r["cancelled"] == r["requests"] == requests
