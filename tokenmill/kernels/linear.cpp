@@ -392,7 +392,7 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
     for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
 }
 
-// int8: (q + 128) . xq - 128 sum(xq) per block of 32, scaled per output row at the end.
+// int8: (q + 128) . xq - 128 sum(xq) per block of 32; each segment's sum scaled per output row.
 template <int MT, int NP, bool W>
 __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
                                              int nvalid_last) {
