@@ -88,16 +88,15 @@ def init_group(spec: WorkerSpec, dead_worker=None) -> TPGroup:
     return TPGroup(spec.rank, spec.size, world, shm)
 
 
-def await_workers(store, size: int, dead_worker=None, poll_s: float = 0.05) -> None:
-    """Until every worker has reached the store: a worker that dies before (an import error, a
-    missing `if __name__ == "__main__":`) raises WorkerDiedError here, not a timeout 30 min on."""
+def await_workers(store, size: int, dead_worker, poll_s: float = 0.05) -> None:
+    """Until every worker has reached the store, asking `dead_worker(wait_s)` in between: a worker
+    that dies before (an import error, a missing `if __name__ == "__main__":`) raises
+    WorkerDiedError here, not a timeout 30 min on."""
     deadline = time.monotonic() + GROUP_TIMEOUT.total_seconds()
     while store.add(JOINED, 0) < size - 1:
-        dead = dead_worker(poll_s) if dead_worker is not None else None
+        dead = dead_worker(poll_s)
         if dead:
             raise WorkerDiedError(f"{dead} before it joined the tensor-parallel group")
-        if dead_worker is None:
-            time.sleep(poll_s)
         if time.monotonic() > deadline:
             raise WorkerDiedError(f"the tensor-parallel workers did not arrive within {GROUP_TIMEOUT}")
 

@@ -14,6 +14,7 @@ import os
 import time
 
 from tokenmill.distributed.executor import Executor, WorkerSpec, worker_main
+from tokenmill.utils import resolve_device
 
 log = logging.getLogger("tokenmill")
 READY_TIMEOUT_S = 300.0  # the placement group's resources must appear within this
@@ -48,7 +49,6 @@ class RayExecutor(Executor):
         self._started_ray = False
 
     def _check_devices(self) -> None:
-        from tokenmill.utils import resolve_device
         if resolve_device(self.config.model.device).type == "cuda":
             # a Ray actor sees the GPUs its bundle reserves, and rank 0 (this process) holds none:
             # CUDA ranks would need GPU bundles and a device map that no test here has exercised

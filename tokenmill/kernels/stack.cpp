@@ -29,8 +29,8 @@ struct Projection {
   at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight
   at::Tensor bias, perm, fw;  // optional: bias (N,), input order (K,) of act-order GPTQ, float copy
 
-  // As tokenmill.layers.linear.Linear.forward; `partial`: a row-parallel rank's share, float64 from
-  // the int kernels (Linear.partial_sums), the bias left to the caller.
+  // As tokenmill.layers.linear.Linear._matmul; `partial`: a row-parallel rank's share, float64 from
+  // the int kernels, the bias left to the caller.
   at::Tensor operator()(const at::Tensor& x, bool partial = false) const {
     const at::Tensor& b = partial ? at::Tensor() : bias;
     if (fw.defined() && x.size(0) > float_min_rows) return at::linear(x, fw, b);

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
 from tokenmill.quant import int4, int8
 
 QUANT_POLICIES = ("auto", "none", "int8", "int4", "awq", "gptq")
@@ -114,25 +113,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
             return self._matmul(x, self.bias)
-        y = self.tp_group.all_reduce(self.partial_sums(x)).to(x.dtype)
+        # the rank's share unrounded (float64 from the int kernels): rounded once after the ranks'
+        # shares are added, exactly as the whole sum rounds in one process (`reduction_segment`)
+        y = self.tp_group.all_reduce(self._matmul(x, None, partial=True)).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
-    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
-        """A row-parallel rank's share of the output, before the all-reduce and the bias: float64
-        from the dot-layout int kernels, whose sums then round once after the ranks' shares are
-        added, exactly as the whole sum rounds in one process (`reduction_segment`); else as
-        `_matmul` computes it."""
-        q = self.qweight
-        panels = q.panels if q is not None else None
-        if panels is None or not panels.dot or \
-                (self.float_weight is not None and x.numel() > FLOAT_MIN_ROWS * self.in_features):
-            return self._matmul(x, None)
-        if self.input_perm is not None:
-            x = x.index_select(-1, self.input_perm)
-        product = kernels.int4_linear if isinstance(q, int4.Int4Weight) else kernels.int8_linear
-        return product(x.float(), panels, partial=True)
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, partial: bool = False) -> torch.Tensor:
         q = self.qweight
         if q is None:
             return F.linear(x, self.weight, bias)
@@ -140,7 +126,7 @@ class Linear(nn.Module):
             return F.linear(x, self.float_weight, bias)
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
-        y = int4.matmul(x, q) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q)
+        y = int4.matmul(x, q, partial) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q, partial)
         return y if bias is None else y + bias
 
 

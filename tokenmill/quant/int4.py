@@ -52,10 +52,12 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size
                       nibbles=(q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
 
 
-def matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """x: (..., K) -> (..., N) in x's dtype."""
+def matmul(x: torch.Tensor, w: Int4Weight, partial: bool = False) -> torch.Tensor:
+    """x: (..., K) -> (..., N) in x's dtype; `partial`: the dot kernels' float64 sums, unrounded
+    (a row-parallel rank's share, `kernels.int4_linear`)."""
     if w.panels is not None:
-        return kernels.int4_linear(x.float(), w.panels).to(x.dtype)
+        y = kernels.int4_linear(x.float(), w.panels, partial)
+        return y if partial else y.to(x.dtype)
     x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
     if x2.shape[0] >= DEQUANT_MIN_ROWS and w.nibbles is not None:
         y = torch.nn.functional.linear(x2.float(), _dequantize_fallback(w))

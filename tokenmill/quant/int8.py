@@ -34,9 +34,11 @@ def quantize_rtn(w: torch.Tensor) -> Int8Weight:
     return make(q, scale)
 
 
-def matmul(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+def matmul(x: torch.Tensor, w: Int8Weight, partial: bool = False) -> torch.Tensor:
+    """As int4.matmul."""
     if w.panels is not None:
-        return kernels.int8_linear(x.float(), w.panels).to(x.dtype)
+        y = kernels.int8_linear(x.float(), w.panels, partial)
+        return y if partial else y.to(x.dtype)
     x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
     y = torch._weight_int8pack_mm(x2, w.q, w.scale)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
