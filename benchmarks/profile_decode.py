@@ -6,6 +6,7 @@ measured step also prefills a new N-token prompt: the mixed steps of a loaded se
     python benchmarks/profile_decode.py --batch 1 --prompt 32
     python benchmarks/profile_decode.py --batch 16 --prompt 300
     python benchmarks/profile_decode.py --batch 13 --prompt 300 --chunk 195
+    python benchmarks/profile_decode.py --batch 1 --prompt 32 --steps 100 --activation-bits 8 --split
 """
 import argparse
 import time
@@ -23,6 +24,8 @@ ap.add_argument("--quantization", default="auto")
 ap.add_argument("--kv-cache-dtype", default="auto")
 ap.add_argument("--activation-bits", type=int, default=16)
 ap.add_argument("--no-profile", action="store_true", help="time the steps only")
+ap.add_argument("--split", action="store_true",
+                help="instead of the profiler: a step's time in the decode stack, the output head, sampling")
 a = ap.parse_args()
 
 llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
@@ -54,6 +57,36 @@ for _ in range(a.steps):
 dt = (time.perf_counter() - t0) / a.steps
 print(f"batch {a.batch}, context ~{a.prompt}, new prompt tokens per step {a.chunk}: {dt * 1000:.1f} ms/step "
       f"= {a.batch / dt:.1f} decode tokens/s")
+if a.split:  # wall time per step in each part, by wrapping the engine's calls
+    parts: dict[str, float] = {}
+
+    def timed(obj, name: str, key: str) -> None:
+        f = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - t
+        setattr(obj, name, wrapper)
+    model = engine.runner.model
+    if model.decode_stack is not None:
+        class Stack:  # a TorchScript class: its methods cannot be replaced, so wrap the object
+            def forward(self, *args, inner=model.decode_stack):
+                t = time.perf_counter()
+                out = inner.forward(*args)
+                parts["decode stack"] = parts.get("decode stack", 0.0) + time.perf_counter() - t
+                return out
+        model.decode_stack = Stack()
+    timed(model, "compute_logits", "output head")
+    timed(engine.runner, "_sample", "sampling")
+    timed(engine, "step", "whole step")
+    for _ in range(a.steps):
+        step()
+    for key, total in sorted(parts.items(), key=lambda kv: -kv[1]):
+        print(f"  {key:12s} {total / a.steps * 1000:6.2f} ms/step")
+    raise SystemExit
 if a.no_profile:
     raise SystemExit
 with profile(activities=[ProfilerActivity.CPU]) as prof:
