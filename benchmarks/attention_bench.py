@@ -6,6 +6,8 @@ rows (BATCH sequences of START tokens) through the paged decode kernel. SmolLM2'
 
     python benchmarks/attention_bench.py                          # 48 new tokens after 1,008 cached
     python benchmarks/attention_bench.py --start 768 --new 256    # a chunked-prefill chunk
+    python benchmarks/attention_bench.py --start 1000 --batch 1 --layers 30   # decode over 30 layers'
+                                              # caches: DRAM-resident, as in a model's decode step
 """
 import argparse
 import json
@@ -14,7 +16,7 @@ import time
 import torch
 
 from tokenmill import kernels
-from tokenmill.layers.attention import _sdpa_batched, gather_blocks
+from tokenmill.layers.attention import _attend, gather_blocks
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--start", type=int, default=1008, help="cached tokens before the chunk")
@@ -25,6 +27,8 @@ ap.add_argument("--kv-heads", type=int, default=3)
 ap.add_argument("--head-dim", type=int, default=64)
 ap.add_argument("--block-size", type=int, default=16)
 ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--layers", type=int, default=1,
+                help="decode over this many layers' caches (scattered blocks of their own), one step's worth")
 a = ap.parse_args()
 torch.set_num_threads(a.threads)
 if not kernels.available():
@@ -41,7 +45,7 @@ mask = torch.arange(width * bs)[None, :] <= torch.arange(a.start, a.start + a.ne
 
 def gather_sdpa():
     k, v = gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float()
-    return _sdpa_batched(q[None], k, v, scale, mask[None, None])[0]
+    return _attend(q[None], k, v, scale, mask[None, None])[0]
 
 
 def context_kernel():
@@ -54,8 +58,13 @@ lens = torch.full((a.batch,), a.start)
 qd = torch.randn(a.batch, a.heads, d)
 
 
+layer_caches = [(kc, vc)] + [(torch.randn_like(kc), torch.randn_like(vc)) for _ in range(a.layers - 1)]
+
+
 def decode_kernel():
-    return kernels.paged_decode_attention(qd, kc, vc, tables, lens, scale)
+    for k, v in layer_caches:
+        out = kernels.paged_decode_attention(qd, k, v, tables, lens, scale)
+    return out
 
 
 def timed(fn, reps: int = 30) -> float:
@@ -69,11 +78,13 @@ def timed(fn, reps: int = 30) -> float:
 
 assert (gather_sdpa() - context_kernel()).abs().max() < 1e-4
 chunk_flop = 4 * a.new * a.heads * d * (a.start + (a.new + 1) / 2)
-decode_flop = 4 * a.batch * a.heads * d * a.start
-row = {"start": a.start, "new": a.new, "batch": a.batch}
+decode_flop = 4 * a.batch * a.heads * d * a.start * a.layers
+row = {"start": a.start, "new": a.new, "batch": a.batch, "layers": a.layers}
 for name, fn, flop in (("gather_sdpa", gather_sdpa, chunk_flop), ("context_kernel", context_kernel, chunk_flop),
                        ("decode_kernel", decode_kernel, decode_flop)):
     t = timed(fn)
     row[f"{name}_us"] = round(t * 1e6, 1)
     row[f"{name}_gflops"] = round(flop / t / 1e9, 1)
+kv_bytes = 2 * a.batch * a.start * a.kv_heads * d * kc.element_size() * a.layers  # K and V rows read
+row["decode_kernel_kv_GBps"] = round(kv_bytes / (row["decode_kernel_us"] * 1e-6) / 1e9, 1)
 print(json.dumps(row))

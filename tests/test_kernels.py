@@ -176,6 +176,8 @@ def _paged(b, lens, bs, hq, hkv, d, dtype, seed):
     ([33, 40, 8], 8, 4, 4, 64),          # no GQA, short blocks
     ([100], 16, 14, 2, 64),              # Qwen2.5-0.5B's grouping (7 query heads per KV head)
     ([50, 3], 16, 16, 1, 32),            # 16 query heads per KV head: past the grouped kernel's 8
+    ([140, 1000, 129], 128, 6, 2, 48),   # contexts over several 128-position items (AVX2), windows across
+                                         # their edges, blocks longer than an item, 48-wide heads
 ])
 @pytest.mark.parametrize("window", [0, 7, 24])
 def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dtype, window):

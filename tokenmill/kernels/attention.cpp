@@ -1,6 +1,9 @@
 // Paged attention over tokenmill's KV cache, K/V read from their blocks in place (no gather into a
-// padded batch, no widened copy), float32 or float16 cache: decode (one query token per sequence)
+// padded batch, no widened copy of the context), float32 or float16 cache: decode (one query token per sequence)
 // and prefill over a cached context (a prompt chunk after its cached prefix or earlier chunks).
+#include <type_traits>
+#include <vector>
+
 #include "ops.h"
 
 namespace tokenmill {
@@ -107,8 +110,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   });
 }
 
-#if defined(__AVX2__)
-// The work items of the grouped decode kernels below: (sequence b, KV head h), the G query heads
+#if defined(__AVX512F__)
+// The work items of the AVX-512 grouped decode kernel below: (sequence b, KV head h), the G query heads
 // sharing h together. Owns the shapes, the checks and where a position's K/V row lies.
 template <typename T>
 struct DecodeItems {
@@ -145,9 +148,7 @@ struct DecodeItems {
     for (int64_t c = 0; c < lines; ++c) _mm_prefetch(kn + 64 * c, _MM_HINT_T0), _mm_prefetch(vn + 64 * c, _MM_HINT_T0);
   }
 };
-#endif
 
-#if defined(__AVX512F__)
 // 16 vectors -> one: lane t = the sum of v[t]'s lanes. A transpose-and-add tree (45 shuffles and
 // adds) instead of 16 horizontal sums (~8 each).
 inline __m512 reduce16(const __m512* v) {
@@ -248,95 +249,212 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
 inline __m256 load_kv8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_kv8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// 8 vectors -> one: lane t = the sum of v[t]'s lanes (a horizontal-add tree: 7 instructions)
-inline __m256 reduce8(const __m256* v) {
-  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+// AVX2 decode attention, split over the context. A work item is (sequence, run of up to kSplit
+// positions) and takes every KV head: a block's rows hold all heads side by side, so the item reads
+// each block front to back instead of a third of every row per head, and a long context spreads
+// over the threads at batch 1 too. Per head the item computes all its scores (no online rescaling),
+// one softmax, then P.V, and leaves (max, sum, unnormalised output) for the merge when the sequence
+// has several items. The fp16 rows are widened in registers as the tiles read them (a widened copy
+// per chunk cost more than it saved), and the next chunk's rows are prefetched into L2 while one is
+// computed (blocks are scattered; into L1, the prefetches stalled on the fill buffers).
+// Splits sit at fixed positions (multiples of kSplit), so a sequence's result does not depend on the
+// batch, the thread count or which heads a tensor-parallel rank holds (tests/test_tensor_parallel.py
+// compares logprobs bit for bit).
+// Register tiles: scores for 3 heads x 4 tokens (12 FMA chains over D), P.V for 3 heads x 16 outputs.
+constexpr int64_t kSplit = 128, kChunk8 = 16;  // positions per item; per chunk (within one block)
+
+// 4 vectors -> 4 lanes: lane i = the sum of a[i]'s lanes
+inline __m128 reduce4(const __m256* a) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// decode_attention for AVX2 and a group of G query heads per KV head, as the AVX-512 kernel above
-// but in 8-token chunks of 8-lane vectors: each K/V vector widened once for the group, the G x 8
-// scores from one reduce8 per head, rows kAhead tokens on prefetched.
-template <typename T, int G>
-void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+// s[g][t] = scale * q_g . k_t for GT heads and TT (4 or 1) tokens; k rows (cache dtype) at stride ld,
+// each 8-element piece widened once for the GT heads
+template <int GT, int TT, typename T>
+void score_tile(const float* q, int64_t D, const T* k, int64_t ld, float scale, float* s, int64_t lds) {
+  __m256 acc[GT][TT];
+  for (int g = 0; g < GT; ++g)
+    for (int t = 0; t < TT; ++t) acc[g][t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8)
+    for (int t = 0; t < TT; ++t) {
+      const __m256 kv = load_kv8(k + t * ld + c);
+      for (int g = 0; g < GT; ++g) acc[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kv, acc[g][t]);
+    }
+  for (int g = 0; g < GT; ++g) {
+    if constexpr (TT == 4) _mm_storeu_ps(s + g * lds, _mm_mul_ps(reduce4(acc[g]), _mm_set1_ps(scale)));
+    else s[g * lds] = hsum8(acc[g][0]) * scale;
+  }
+}
+
+template <int GT, typename T>
+void score_heads(const float* q, int64_t D, const T* k, int64_t ld, int64_t m, float scale, float* s, int64_t lds) {
+  int64_t t = 0;
+  for (; t + 4 <= m; t += 4) score_tile<GT, 4>(q, D, k + t * ld, ld, scale, s + t, lds);
+  for (; t < m; ++t) score_tile<GT, 1>(q, D, k + t * ld, ld, scale, s + t, lds);
+}
+
+// o[g][0 .. 16) += sum_t p[g][t] v_t[0 .. 16) for GT heads, n tokens (v rows, cache dtype, at stride ld)
+template <int GT, typename T>
+void pv_tile(const float* p, int64_t ldp, const T* v, int64_t ld, int64_t n, float* o, int64_t D) {
+  __m256 acc[GT][2];
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < 2; ++j) acc[g][j] = _mm256_loadu_ps(o + g * D + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 pg[GT];
+    for (int g = 0; g < GT; ++g) pg[g] = _mm256_broadcast_ss(p + g * ldp + t);
+    for (int j = 0; j < 2; ++j) {
+      const __m256 vv = load_kv8(v + t * ld + 8 * j);
+      for (int g = 0; g < GT; ++g) acc[g][j] = _mm256_fmadd_ps(pg[g], vv, acc[g][j]);
+    }
+  }
+  for (int g = 0; g < GT; ++g)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(o + g * D + 8 * j, acc[g][j]);
+}
+
+template <int GT, typename T>
+void pv_heads(const float* p, int64_t ldp, const T* v, int64_t ld, int64_t n, float* o, int64_t D) {
+  for (int64_t c = 0; c < D; c += 16) pv_tile<GT, T>(p, ldp, v + c, ld, n, o + c, D);  // D: a multiple of 16
+}
+
+template <typename T>
+void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
                             int64_t window, at::Tensor& out) {
-  // kAhead: rows are prefetched a block (16 tokens) ahead; an 8-token chunk is shorter work than
-  // a DRAM miss, and prefetching only the next chunk left the K loads stalling (perf: a third of
-  // the kernel's samples on the instruction after vcvtph2ps)
-  constexpr int64_t kTok = 8, kAhead = 16;
-  const DecodeItems<T> it(q, k_cache, v_cache, block_tables, context_lens, window, out);
-  const int64_t D = it.D, C = D / 8, bs = it.bs, row = it.row;
-  const __m256 lane = _mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0), neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
-  at::parallel_for(0, it.B * it.Hkv, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) float acc[G * kMaxHeadDim];
-    alignas(32) float p[G][kTok];
-    __m256 part[G][kTok];
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t b = item / it.Hkv, h = item % it.Hkv, len = it.len(b);
-      const float* qh = it.query(b, h, G);
-      std::fill(acc, acc + G * D, 0.f);
-      float mx[G], l[G];
-      for (int g = 0; g < G; ++g) mx[g] = -std::numeric_limits<float>::infinity(), l[g] = 0.f;
-      int64_t at = it.offset(b, h, it.first(len)), next_at = 0;
-      for (int64_t pos = it.first(len); pos < len; pos += std::min(bs - pos % bs, kTok), at = next_at) {
-        const int64_t n = std::min({bs - pos % bs, kTok, len - pos}), next = pos + n;
-        const T *kb = it.k + at, *vb = it.v + at;
-        if (next < len) next_at = it.offset(b, h, next);
-        for (int64_t t = pos + kAhead; t < std::min(next + kAhead, len); ++t) it.prefetch(it.offset(b, h, t));  // kAhead on
-        for (int64_t t = 0; t < kTok; ++t) {
-          if (t >= n) {
-            for (int g = 0; g < G; ++g) part[g][t] = _mm256_setzero_ps();
-            continue;
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
+  const int64_t G = Hq / Hkv, row = Hkv * D, q_stride = q.stride(0);
+  const float* qp = q.data_ptr<float>();
+  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+  const int64_t *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  // items: every sequence's runs of positions [first, len) cut at multiples of kSplit
+  std::vector<int64_t> item0(B + 1, 0);  // sequence b's items: [item0[b], item0[b + 1])
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lp[b];
+    TORCH_CHECK(len >= 1 && len <= W * bs, "context length out of range");
+    item0[b + 1] = item0[b] + (len - 1) / kSplit - window_start(len, window) / kSplit + 1;
+  }
+  const int64_t items = item0[B];
+  // per item and query head: max, sum, unnormalised output (read by the merge below)
+  std::vector<float> parts(items > B ? items * Hq * (D + 2) : 0);
+  const int nt = std::max<int>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    const int64_t lds = kSplit + 8;
+    std::vector<float> s(Hq * lds), o(Hq * D), mx(Hq), sum(Hq);
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      int64_t b = 0;
+      for (int64_t item = tid; item < items; item += nt) {  // interleaved: a long sequence's runs spread
+        while (item >= item0[b + 1]) ++b;
+        const int64_t len = lp[b], first = window_start(len, window);
+        const int64_t p0 = std::max(first, (first / kSplit + item - item0[b]) * kSplit);
+        const int64_t p1 = std::min(len, (p0 / kSplit + 1) * kSplit), n = p1 - p0;
+        const float* qb = qp + b * q_stride;
+        // chunks: positions [pos, pos + m) within one block
+        auto chunk_at = [&](const T* cache, int64_t pos) {
+          const int64_t blk = tp[b * W + pos / bs];
+          TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
+          return cache + (blk * bs + pos % bs) * row;
+        };
+        auto for_chunks = [&](const T* cache, auto&& body) {
+          const T* src = chunk_at(cache, p0);
+          for (int64_t pos = p0; pos < p1;) {
+            const int64_t m = std::min({bs - pos % bs, kChunk8, p1 - pos}), next = pos + m;
+            const T* after = next < p1 ? chunk_at(cache, next) : nullptr;
+            if (after) {  // the next chunk's rows, into L2, while this one is computed
+              const char* a = reinterpret_cast<const char*>(after);
+              const int64_t bytes = std::min({bs - next % bs, kChunk8, p1 - next}) * row * int64_t(sizeof(T));
+              for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(a + c, _MM_HINT_T1);
+            }
+            body(src, pos - p0, m);
+            pos = next, src = after;
           }
-          __m256 d[G];
-          for (int g = 0; g < G; ++g) d[g] = _mm256_setzero_ps();
-          for (int64_t c = 0; c < C; ++c) {
-            const __m256 k = load_kv8(kb + t * row + c * 8);
-            for (int g = 0; g < G; ++g) d[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + g * D + c * 8), k, d[g]);
+        };
+        for_chunks(kp, [&](const T* kc, int64_t at, int64_t m) {
+          for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t g = 0; g < G;) {
+              const float* qg = qb + (h * G + g) * D;
+              float* sg = s.data() + (h * G + g) * lds + at;
+              const T* kr = kc + h * D;
+              if (G - g >= 3) score_heads<3>(qg, D, kr, row, m, scale, sg, lds), g += 3;
+              else if (G - g == 2) score_heads<2>(qg, D, kr, row, m, scale, sg, lds), g += 2;
+              else score_heads<1>(qg, D, kr, row, m, scale, sg, lds), g += 1;
+            }
+        });
+        float* stats = parts.empty() ? nullptr : parts.data() + item * Hq * (D + 2);
+        for (int64_t hq = 0; hq < Hq; ++hq) {  // softmax over the item's scores, in place
+          float* sh = s.data() + hq * lds;
+          __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+          int64_t i = 0;
+          for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(sh + i));
+          float m1 = hmax8(m8);
+          for (int64_t j = i; j < n; ++j) m1 = std::max(m1, sh[j]);
+          __m256 l8 = _mm256_setzero_ps();
+          const __m256 mv = _mm256_set1_ps(m1), lane = _mm256_set_ps(7, 6, 5, 4, 3, 2, 1, 0);
+          for (i = 0; i < n; i += 8) {  // lanes past n: 0 (their scores are stale)
+            const __m256 vis = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n - i)), _CMP_LT_OQ);
+            const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sh + i), mv)), vis);
+            l8 = _mm256_add_ps(l8, e);
+            _mm256_storeu_ps(sh + i, e);
           }
-          for (int g = 0; g < G; ++g) part[g][t] = d[g];
+          mx[hq] = m1, sum[hq] = hsum8(l8);
         }
-        const __m256 vis = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(n)), _CMP_LT_OQ);
-        for (int g = 0; g < G; ++g) {
-          const __m256 sg = _mm256_blendv_ps(neg_inf, _mm256_mul_ps(reduce8(part[g]), _mm256_set1_ps(scale)), vis);
-          const float nm = std::max(mx[g], hmax8(sg));
-          if (nm > mx[g]) {
-            const float alpha = std::exp(mx[g] - nm);  // 0 on the first chunk
-            l[g] *= alpha;
-            const __m256 a = _mm256_set1_ps(alpha);
-            for (int64_t c = 0; c < C; ++c)
-              _mm256_store_ps(acc + g * D + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), a));
-            mx[g] = nm;
+        std::fill(o.begin(), o.end(), 0.f);
+        for_chunks(vp, [&](const T* vc, int64_t at, int64_t m) {
+          for (int64_t h = 0; h < Hkv; ++h)
+            for (int64_t g = 0; g < G;) {
+              const int64_t hq = h * G + g;
+              const float* ph = s.data() + hq * lds + at;
+              const T* vr = vc + h * D;
+              if (G - g >= 3) pv_heads<3>(ph, lds, vr, row, m, o.data() + hq * D, D), g += 3;
+              else if (G - g == 2) pv_heads<2>(ph, lds, vr, row, m, o.data() + hq * D, D), g += 2;
+              else pv_heads<1>(ph, lds, vr, row, m, o.data() + hq * D, D), g += 1;
+            }
+        });
+        const bool alone = item0[b + 1] - item0[b] == 1;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const float* oh = o.data() + hq * D;
+          if (alone) {
+            const __m256 inv = _mm256_set1_ps(1.f / sum[hq]);
+            float* dst = op + (b * Hq + hq) * D;
+            for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(oh + c), inv));
+          } else {
+            float* st = stats + hq * (D + 2);
+            st[0] = mx[hq], st[1] = sum[hq];
+            std::memcpy(st + 2, oh, sizeof(float) * D);
           }
-          const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(sg, _mm256_set1_ps(nm))), vis);
-          l[g] += hsum8(e);
-          _mm256_store_ps(p[g], e);
-        }
-        for (int64_t c = 0; c < C; ++c) {
-          __m256 a[G];
-          for (int g = 0; g < G; ++g) a[g] = _mm256_load_ps(acc + g * D + c * 8);
-          for (int64_t t = 0; t < n; ++t) {
-            const __m256 v = load_kv8(vb + t * row + c * 8);
-            for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_set1_ps(p[g][t]), v, a[g]);
-          }
-          for (int g = 0; g < G; ++g) _mm256_store_ps(acc + g * D + c * 8, a[g]);
         }
       }
-      for (int g = 0; g < G; ++g) {
-        const __m256 inv = _mm256_set1_ps(1.f / l[g]);
-        float* o = it.output(b, h, G) + g * D;
-        for (int64_t c = 0; c < C; ++c) _mm256_storeu_ps(o + c * 8, _mm256_mul_ps(_mm256_load_ps(acc + g * D + c * 8), inv));
+    }
+  });
+  if (parts.empty()) return;
+  // merge a sequence's items: out = sum_i e^(m_i - M) o_i / sum_i e^(m_i - M) l_i, in item order
+  at::parallel_for(0, B * Hq, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / Hq, hq = r % Hq;
+      if (item0[b + 1] - item0[b] == 1) continue;
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t i = item0[b]; i < item0[b + 1]; ++i) M = std::max(M, parts[(i * Hq + hq) * (D + 2)]);
+      float* dst = op + r * D;
+      std::fill(dst, dst + D, 0.f);
+      float l = 0.f;
+      for (int64_t i = item0[b]; i < item0[b + 1]; ++i) {
+        const float* st = parts.data() + (i * Hq + hq) * (D + 2);
+        const float w = std::exp(st[0] - M);
+        l += w * st[1];
+        const __m256 wv = _mm256_set1_ps(w);
+        for (int64_t c = 0; c < D; c += 8)
+          _mm256_storeu_ps(dst + c, _mm256_fmadd_ps(wv, _mm256_loadu_ps(st + 2 + c), _mm256_loadu_ps(dst + c)));
       }
+      const __m256 inv = _mm256_set1_ps(1.f / l);
+      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(dst + c, _mm256_mul_ps(_mm256_loadu_ps(dst + c), inv));
     }
   });
 }
 #endif
 
-#if defined(__AVX2__)
-// The grouped kernel (AVX-512 or AVX2) for groups of up to 8 query heads per KV head; false: use the
-// generic one.
+#if defined(__AVX512F__)
+// The grouped kernel for groups of up to 8 query heads per KV head; false: use the generic one.
 template <typename T>
 bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
@@ -349,6 +467,14 @@ bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const
 #undef TOKENMILL_GROUP
     default: return false;
   }
+}
+#elif defined(__AVX2__)
+template <typename T>
+bool decode_attention_fast(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, float scale,
+                           int64_t window, at::Tensor& out) {
+  decode_attention_split<T>(q, k_cache, v_cache, block_tables, context_lens, scale, window, out);
+  return true;
 }
 #else
 template <typename T>
