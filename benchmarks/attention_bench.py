@@ -17,6 +17,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.layers.attention import _attend, gather_blocks
+from tokenmill.utils import huge_page_zeros
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--start", type=int, default=1008, help="cached tokens before the chunk")
@@ -36,8 +37,15 @@ if not kernels.available():
 bs, d, scale = a.block_size, a.head_dim, a.head_dim ** -0.5
 width = -(-(a.start + a.new) // bs)
 num_blocks = max(width, a.batch * -(-a.start // bs)) + 8
-kc = torch.randn(num_blocks, bs, a.kv_heads, d).half()
-vc = torch.randn(num_blocks, bs, a.kv_heads, d).half()
+
+
+def cache() -> torch.Tensor:
+    """A KV cache as the engine allocates it (huge pages where THP allows), filled at random."""
+    c = huge_page_zeros((num_blocks, bs, a.kv_heads, d), torch.half)
+    return c.copy_(torch.randn(c.shape))
+
+
+kc, vc = cache(), cache()
 table = torch.randperm(num_blocks)[:width]
 q = torch.randn(a.new, a.heads, d)
 mask = torch.arange(width * bs)[None, :] <= torch.arange(a.start, a.start + a.new)[:, None]
@@ -58,7 +66,7 @@ lens = torch.full((a.batch,), a.start)
 qd = torch.randn(a.batch, a.heads, d)
 
 
-layer_caches = [(kc, vc)] + [(torch.randn_like(kc), torch.randn_like(vc)) for _ in range(a.layers - 1)]
+layer_caches = [(kc, vc)] + [(cache(), cache()) for _ in range(a.layers - 1)]
 
 
 def decode_kernel():
