@@ -1,6 +1,7 @@
 // Paged attention over tokenmill's KV cache, K/V read from their blocks in place (no gather into a
-// padded batch, no widened copy of the context), float32 or float16 cache: decode (one query token per sequence)
-// and prefill over a cached context (a prompt chunk after its cached prefix or earlier chunks).
+// padded batch, no widened copy of the context), float32 or float16 cache: decode (one query token
+// per sequence) and prefill over a cached context (a prompt chunk after its cached prefix or earlier
+// chunks).
 #include <type_traits>
 #include <vector>
 
@@ -261,7 +262,7 @@ inline __m256 load_kv8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si1
 // batch, the thread count or which heads a tensor-parallel rank holds (tests/test_tensor_parallel.py
 // compares logprobs bit for bit).
 // Register tiles: scores for 3 heads x 4 tokens (12 FMA chains over D), P.V for 3 heads x 16 outputs.
-constexpr int64_t kSplit = 128, kChunk8 = 16;  // positions per item; per chunk (within one block)
+constexpr int64_t kSplit = 128, kDecodeChunk = 16;  // positions per item; per chunk (within one block)
 
 // 4 vectors -> 4 lanes: lane i = the sum of a[i]'s lanes
 inline __m128 reduce4(const __m256* a) {
@@ -359,11 +360,11 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
         auto for_chunks = [&](const T* cache, auto&& body) {
           const T* src = chunk_at(cache, p0);
           for (int64_t pos = p0; pos < p1;) {
-            const int64_t m = std::min({bs - pos % bs, kChunk8, p1 - pos}), next = pos + m;
+            const int64_t m = std::min({bs - pos % bs, kDecodeChunk, p1 - pos}), next = pos + m;
             const T* after = next < p1 ? chunk_at(cache, next) : nullptr;
             if (after) {  // the next chunk's rows, into L2, while this one is computed
               const char* a = reinterpret_cast<const char*>(after);
-              const int64_t bytes = std::min({bs - next % bs, kChunk8, p1 - next}) * row * int64_t(sizeof(T));
+              const int64_t bytes = std::min({bs - next % bs, kDecodeChunk, p1 - next}) * row * int64_t(sizeof(T));
               for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(a + c, _MM_HINT_T1);
             }
             body(src, pos - p0, m);
