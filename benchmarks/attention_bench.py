@@ -28,6 +28,7 @@ ap.add_argument("--kv-heads", type=int, default=3)
 ap.add_argument("--head-dim", type=int, default=64)
 ap.add_argument("--block-size", type=int, default=16)
 ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--small-pages", action="store_true", help="caches in plain 4 KiB pages (torch.randn) instead")
 ap.add_argument("--layers", type=int, default=1,
                 help="decode over this many layers' caches (scattered blocks of their own), one step's worth")
 a = ap.parse_args()
@@ -41,6 +42,8 @@ num_blocks = max(width, a.batch * -(-a.start // bs)) + 8
 
 def cache() -> torch.Tensor:
     """A KV cache as the engine allocates it (huge pages where THP allows), filled at random."""
+    if a.small_pages:
+        return torch.randn(num_blocks, bs, a.kv_heads, d).half()
     c = huge_page_zeros((num_blocks, bs, a.kv_heads, d), torch.half)
     return c.copy_(torch.randn(c.shape))
 

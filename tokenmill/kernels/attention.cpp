@@ -357,14 +357,15 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
           TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
           return cache + (blk * bs + pos % bs) * row;
         };
+        auto chunk_len = [&](int64_t pos) { return std::min({bs - pos % bs, kDecodeChunk, p1 - pos}); };
         auto for_chunks = [&](const T* cache, auto&& body) {
           const T* src = chunk_at(cache, p0);
           for (int64_t pos = p0; pos < p1;) {
-            const int64_t m = std::min({bs - pos % bs, kDecodeChunk, p1 - pos}), next = pos + m;
+            const int64_t m = chunk_len(pos), next = pos + m;
             const T* after = next < p1 ? chunk_at(cache, next) : nullptr;
             if (after) {  // the next chunk's rows, into L2, while this one is computed
               const char* a = reinterpret_cast<const char*>(after);
-              const int64_t bytes = std::min({bs - next % bs, kDecodeChunk, p1 - next}) * row * int64_t(sizeof(T));
+              const int64_t bytes = chunk_len(next) * row * static_cast<int64_t>(sizeof(T));
               for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(a + c, _MM_HINT_T1);
             }
             body(src, pos - p0, m);
