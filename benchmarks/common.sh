@@ -37,19 +37,28 @@ case "$ISA" in
   avxvnni) export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2_VNNI ;;
   avx512 | avx512vnni) export ATEN_CPU_CAPABILITY=avx512 MKL_ENABLE_INSTRUCTIONS=AVX512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI ;;
 esac
-LLAMA_BUILD=$PEERS/llama.cpp-build$([ "$ISA" = native ] || echo "-$ISA")
+# On Xeons with AMX, llama.cpp's AMX code (ggml_backend_amx_mul_mat) segfaults in llama-bench: a native
+# build (-march=native turns AMX on whatever GGML_AMX_* say) becomes every AVX-512 extension, AMX off
+if [ "$ISA" = native ] && grep -qw amx_int8 /proc/cpuinfo 2>/dev/null; then
+  GGML_ISA=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON
+            -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+            -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+  LLAMA_NOAMX=-noamx
+fi
+LLAMA_BUILD=$PEERS/llama.cpp-build$([ "$ISA" = native ] || echo "-$ISA")${LLAMA_NOAMX:-}
 SUFFIX=$([ "$ISA" = native ] || echo "-$ISA")  # results files of a pinned ISA: name-$ISA.jsonl
 
 # llama.cpp's server and llama-bench, from the llama.cpp sources vendored in the llama-cpp-python sdist
 build_llamacpp() {
-  [ -x "$LLAMA_BUILD/bin/llama-server" ] && [ -x "$LLAMA_BUILD/bin/llama-bench" ] && return
+  [ -x "$LLAMA_BUILD/bin/llama-server" ] && [ -x "$LLAMA_BUILD/bin/llama-bench" ] &&
+    [ -x "$LLAMA_BUILD/bin/llama-quantize" ] && return
   [ -f "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" ] ||
     "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$PEERS/dl"
   mkdir -p "$PEERS/src" && tar xzf "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" -C "$PEERS/src"
   cmake -S "$PEERS/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" -B "$LLAMA_BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release "${GGML_ISA[@]}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF
-  cmake --build "$LLAMA_BUILD" -j 2 --target llama-server llama-bench
+  cmake --build "$LLAMA_BUILD" -j 2 --target llama-server llama-bench llama-quantize
 }
 
 wait_health() {  # url [seconds, default 150]

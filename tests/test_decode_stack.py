@@ -60,15 +60,15 @@ def test_stack_checks_what_it_is_given():
     stack = torch.classes.tokenmill.DecodeStack(4, 2, 16, 96, 1e-6, 0, 0.25)
     cache = torch.zeros(4, 16, 2, 16)
     with pytest.raises(RuntimeError, match="add_layer first"):
-        stack.add_projection(0, torch.zeros(128, 64), None, None, None, None, None, 128, 16, 0, 0)
+        stack.add_projection(0, torch.zeros(128, 64), None, None, None, None, None, 128, 16, 0, 0, None)
     with pytest.raises(RuntimeError, match="caches must be"):
         stack.add_layer(torch.ones(64), torch.ones(64), cache.to(torch.int32), cache, 0, 0, None, None, None, None)
     with pytest.raises(RuntimeError, match="q and k norms come together"):
         stack.add_layer(torch.ones(64), torch.ones(64), cache, cache.clone(), 0, 0, torch.ones(16), None, None, None)
     stack.add_layer(torch.ones(64), torch.ones(64), cache, cache.clone(), 0, 0, None, None, None, None)
-    stack.add_projection(0, torch.zeros(128, 64), None, None, None, None, None, 128, 16, 0, 0)
+    stack.add_projection(0, torch.zeros(128, 64), None, None, None, None, None, 128, 16, 0, 0, None)
     with pytest.raises(RuntimeError, match="expected 64"):
-        stack.add_projection(0, torch.zeros(32, 64), None, None, None, None, None, 32, 16, 0, 0)
+        stack.add_projection(0, torch.zeros(32, 64), None, None, None, None, None, 32, 16, 0, 0, None)
     with pytest.raises(RuntimeError, match="incomplete"):
         stack.forward(torch.zeros(1, 64), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, dtype=torch.long),
                       torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), None, None)

@@ -71,7 +71,7 @@ def test_every_variant_this_cpu_runs_passes_the_kernel_tests(isa):
         pytest.skip(f"{isa} is this process's variant: tests/test_kernels.py ran on it")
     env = {**os.environ, build.ISA_ENV: isa}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "test_kernels.py"),
-                        str(ROOT / "tests" / "test_decode_stack.py")], env=env, cwd=ROOT, capture_output=True, text=True,
+                        str(ROOT / "tests" / "test_decode_stack.py"), str(ROOT / "tests" / "test_kquant.py")], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 

@@ -114,7 +114,7 @@ def test_int4_group_size_must_divide(tiny_llama):
     with pytest.raises(ValueError, match=r"int4 group size must be one of \(32, 64, 128, 256\), got 48"):
         loader.load(tiny_llama, "float32", torch.device("cpu"), load_tokenizer=False, quantization="int4",
                     group_size=48)
-    with pytest.raises(ValueError, match="group size 128 does not divide the input dimension 64"):
+    with pytest.raises(ValueError, match=r"group size 128 does not divide the input dimension \d+"):
         loader.load(tiny_llama, "float32", torch.device("cpu"), load_tokenizer=False, quantization="int4",
                     group_size=128)
     with pytest.raises(ValueError, match="quantization must be one of"):

@@ -24,9 +24,9 @@ class ModelConfig:
         "longest prompt + output in tokens (default: the model's context length)"))
     device: str = field(default="auto", metadata=_help("auto | cpu | cuda | cuda:N"))
     threads: int | None = field(default=None, metadata=_help(
-        "CPU threads for the model's kernels (default: OMP_NUM_THREADS if set, else one per core). The server's "
-        "event loop and the tokenizer run beside them: on a machine shared with other work, set this to the "
-        "cores the engine may have"))
+        "CPU threads for the model's kernels (default: OMP_NUM_THREADS if set, else the cores this process may use: "
+        "its CPU affinity, capped by a cgroup CPU quota). While other processes keep cores busy the engine runs "
+        "with fewer, and returns to this many when they are free"))
     seed: int = field(default=0, metadata=_help(
         "global random seed: unseeded sampling is reproducible from one engine start to the next"))
     skip_tokenizer_init: bool = field(default=False, metadata=_help(

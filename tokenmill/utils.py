@@ -70,15 +70,16 @@ def gather_in_huge_pages(holders: list[tuple[object, str]]) -> None:
     against the same weights in 4 KiB pages)."""
     import torch
 
-    tensors = [getattr(obj, name) for obj, name in holders]
-    sizes = [(t.nbytes + 63) // 64 * 64 for t in tensors]
+    sizes = [(getattr(obj, name).nbytes + 63) // 64 * 64 for obj, name in holders]
     arena = huge_page_zeros((sum(sizes),), torch.uint8)
     off = 0
-    for (obj, name), t, size in zip(holders, tensors, sizes):
+    for (obj, name), size in zip(holders, sizes):  # each old tensor freed once moved: no second copy of the model
+        t = getattr(obj, name)
         dst = arena[off:off + t.nbytes].view(t.dtype).view(t.shape)
         dst.copy_(t)
         setattr(obj, name, dst)
         off += size
+        del t
 
 
 def free_port() -> int:

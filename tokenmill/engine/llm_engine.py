@@ -19,6 +19,7 @@ from tokenmill.core.sched_output import StepStats
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.speculation import DraftPolicy
 from tokenmill.engine.detokenizer import DetokState
+from tokenmill.engine.threads import ThreadGovernor, default_threads
 from tokenmill.models import loader
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.runner import kv_cache
@@ -53,7 +54,14 @@ class LLMEngine:
         if config.parallel.tensor_parallel_size > 1:
             from tokenmill.distributed import executor
             self.executor = executor.start(config)
-        elif mc.threads is not None:  # process-wide: ATen's pool, which the CPU kernels share
+        self.governor = None
+        if config.parallel.tensor_parallel_size == 1 and self.device.type == "cpu":
+            # process-wide: ATen's pool, which the CPU kernels share
+            threads, why = (mc.threads, "--threads") if mc.threads is not None else default_threads()
+            torch.set_num_threads(threads)
+            log.info("CPU threads: %d (%s)", threads, why)
+            self.governor = ThreadGovernor(threads)
+        elif mc.threads is not None:
             torch.set_num_threads(mc.threads)
         try:
             self._build(config)
@@ -70,7 +78,7 @@ class LLMEngine:
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
                              quantization=mc.quantization, group_size=mc.quantization_group_size,
                              keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits,
-                             tp_group=tp_group)
+                             tp_group=tp_group, reserve_bytes=kv_cache.cpu_budget(cc.kv_cache_memory, self.device))
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.activation_bits = loaded.activation_bits
         self.dtype = next(loaded.model.parameters()).dtype
@@ -222,6 +230,8 @@ class LLMEngine:
             return []
         self._mark_scheduled(sched)
         result = self._execute(sched)
+        if self.governor is not None:
+            self.governor.tick()
         advanced = self.scheduler.update(sched, result)
         self.last_stats = self.scheduler.stats
         outputs = self._process(advanced)

@@ -123,26 +123,42 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
+PACK_ROWS = 2048  # rows packed per step: a layer's conversion holds a few bytes per weight of this many rows
+
+
+def _panels(n: int, shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:
+    """(P, *shape) panels of n rows, filled PACK_ROWS rows at a time: fill(r0, r1) -> their panels.
+    Packing a whole 128k-row output head at once took ~5 bytes per weight of intermediates."""
+    out = torch.empty((n + LANES - 1) // LANES, *shape, dtype=dtype)
+    for r0 in range(0, n, PACK_ROWS):
+        r1 = min(r0 + PACK_ROWS, n)
+        out[r0 // LANES:(r1 + LANES - 1) // LANES] = fill(r0, r1)
+    return out
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Panels:
     """q: (N, K) integers 0..15; scale, minimum: (N, G) per group of K/G inputs."""
     n, k = q.shape
     g = scale.shape[1]
     if k % g or (k // g) % 2:
         raise ValueError(f"int4 panels need an even group size dividing {k}; got {g} groups.")
-    qp = _pad_rows(q.to(torch.uint8))                                      # (Np, K)
 
     def per_panel(t: torch.Tensor) -> torch.Tensor:                         # (N, G) -> (P, G, 16)
         return _pad_rows(t.float()).reshape(-1, LANES, g).transpose(1, 2).contiguous()
     if dot_layout() and (k // g) % 32 == 0:
-        octets = qp.reshape(-1, LANES, k // 8, 2, 4)                          # (P, 16, K/8, half, 4)
-        packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)               # (P, 16, K/8, 4)
-        panels = packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES).contiguous()  # (P, K/8, 64)
+        def dot(r0: int, r1: int) -> torch.Tensor:
+            octets = _pad_rows(q[r0:r1].to(torch.uint8)).reshape(-1, LANES, k // 8, 2, 4)  # (P, 16, K/8, half, 4)
+            packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)                    # (P, 16, K/8, 4)
+            return packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES)              # (P, K/8, 64)
         # float16 scales and minimums: what GGUF, AWQ and GPTQ store; float32 would add a third to
         # the bytes a batch-1 decode streams per weight (4-bit weight + 2 x 32 bits per 32 weights)
-        return Int4Panels(panels, per_panel(scale).half(), per_panel(minimum).half(), n, dot=True)
-    pairs = qp[:, 0::2] | (qp[:, 1::2] << 4)                               # (Np, K/2)
-    panels = pairs.reshape(-1, LANES, k // 2).transpose(1, 2).contiguous()  # (P, K/2, 16)
-    return Int4Panels(panels, per_panel(scale), per_panel(minimum), n)
+        return Int4Panels(_panels(n, (k // 8, 4 * LANES), torch.uint8, dot), per_panel(scale).half(),
+                          per_panel(minimum).half(), n, dot=True)
+
+    def pairs(r0: int, r1: int) -> torch.Tensor:
+        qp = _pad_rows(q[r0:r1].to(torch.uint8))
+        return (qp[:, 0::2] | (qp[:, 1::2] << 4)).reshape(-1, LANES, k // 2).transpose(1, 2)  # (P, K/2, 16)
+    return Int4Panels(_panels(n, (k // 2, LANES), torch.uint8, pairs), per_panel(scale), per_panel(minimum), n)
 
 
 def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
@@ -152,11 +168,81 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
         raise ValueError(f"int8 panels need an even input dimension, got {k}.")
     s = _pad_rows(scale.float().reshape(n, 1)).reshape(-1).contiguous()
     if dot_layout() and k % 32 == 0:
-        u = (_pad_rows(q.to(torch.int16)) + 128).to(torch.uint8)                  # (Np, K) unsigned
-        quads = u.reshape(-1, LANES, k // 4, 4).transpose(1, 2)                   # (P, K/4, 16, 4)
-        return Int8Panels(quads.reshape(-1, k // 4, 4 * LANES).contiguous(), s, n, dot=True)
-    panels = _pad_rows(q.to(torch.int8)).reshape(-1, LANES, k).transpose(1, 2).contiguous()  # (P, K, 16)
-    return Int8Panels(panels, s, n)
+        def quads(r0: int, r1: int) -> torch.Tensor:
+            u = (_pad_rows(q[r0:r1].to(torch.int16)) + 128).to(torch.uint8)          # (Np, K) unsigned
+            return u.reshape(-1, LANES, k // 4, 4).transpose(1, 2).reshape(-1, k // 4, 4 * LANES)  # (P, K/4, 64)
+        return Int8Panels(_panels(n, (k // 4, 4 * LANES), torch.uint8, quads), s, n, dot=True)
+
+    def cols(r0: int, r1: int) -> torch.Tensor:
+        return _pad_rows(q[r0:r1].to(torch.int8)).reshape(-1, LANES, k).transpose(1, 2)  # (P, K, 16)
+    return Int8Panels(_panels(n, (k, LANES), torch.int8, cols), s, n)
+
+
+@dataclass
+class Q4KPanels:
+    """GGUF Q4_K, w = q (d sc) - dmin mn: int4 dot-layout nibbles, per 32 inputs the 6-bit sc and mn
+    as bytes, per 256 float16 d and -dmin (linear.cpp KScales)."""
+    q: torch.Tensor    # uint8 (P, K/8, 64)
+    sm: torch.Tensor   # uint8 (P, K/32, 32): 16 sc | 16 mn
+    dd: torch.Tensor   # float16 (P, K/256, 32): 16 d | 16 -dmin
+    out_features: int
+    act_bits: int = 16
+    segment: int = 0
+
+
+@dataclass
+class Q6KPanels:
+    """GGUF Q6_K, w = d sc (q - 32), q = lo | hi << 4 (kquant.cpp has the byte layouts)."""
+    ql: torch.Tensor   # uint8 (P, K/8, 64)
+    qh: torch.Tensor   # uint8 (P, K/32, 128)
+    sc: torch.Tensor   # int8 (P, K/16, 16)
+    d: torch.Tensor    # float16 (P, K/256, 16)
+    out_features: int
+    act_bits: int = 16
+    segment: int = 0
+
+
+def _dot_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(Np, K) values 0..15, Np a multiple of 16 -> the int4 dot layout (P, K/8, 64)."""
+    k = q.shape[1]
+    octets = q.reshape(-1, LANES, k // 8, 2, 4)                               # (P, 16, K/8, half, 4)
+    return (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).transpose(1, 2).reshape(-1, k // 8, 4 * LANES)
+
+
+def _per_panel(t: torch.Tensor) -> torch.Tensor:
+    """(Np, G) -> (P, G, 16)."""
+    return t.reshape(-1, LANES, t.shape[1]).transpose(1, 2)
+
+
+def pack_q4k(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple:
+    """One run of rows (a multiple of 16, but for the last): q (N, K) 0..15, sc and mn (N, K/32)
+    0..63, d and dmin (N, K/256) float16 -> the Q4KPanels tensors (q, sm, dd) of those rows."""
+    q, sc, mn, d, dmin = (_pad_rows(t) for t in (q.to(torch.uint8), sc.to(torch.uint8), mn.to(torch.uint8),
+                                                  d.half(), dmin.half()))
+    sm = torch.stack([_per_panel(sc), _per_panel(mn)], dim=2).flatten(2)       # (P, K/32, 32)
+    dd = torch.stack([_per_panel(d), _per_panel(-dmin)], dim=2).flatten(2)     # (P, K/256, 32)
+    return _dot_nibbles(q), sm, dd
+
+
+def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple:
+    """As pack_q4k for Q6_K: q (N, K) 0..63, sc (N, K/16) int8, d (N, K/256) -> (ql, qh, sc, d)."""
+    q, sc, d = _pad_rows(q.to(torch.uint8)), _pad_rows(sc.to(torch.int8)), _pad_rows(d.half())
+    k = q.shape[1]
+    hi = (q >> 4).reshape(-1, LANES, k // 32, 4, 2, 4)                         # (P, 16, K/32, o, half, j)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
+    packed = (hi << shifts).sum(dim=3, dtype=torch.uint8)                       # (P, 16, K/32, half, j)
+    qh = packed.permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 2 * 4 * LANES)      # (P, K/32, 128)
+    return _dot_nibbles(q & 15), qh, _per_panel(sc), _per_panel(d)
+
+
+def unpack_int8(w: Int8Panels) -> torch.Tensor:
+    """The int8 (N, K) integers the panels hold (either layout)."""
+    if w.dot:
+        p, quads, _ = w.q.shape
+        q = (w.q.view(p, quads, LANES, 4).to(torch.int16) - 128).to(torch.int8)   # (P, K/4, 16, 4)
+        return q.permute(0, 2, 1, 3).reshape(p * LANES, quads * 4)[:w.out_features]
+    p, k, _ = w.q.shape
+    return w.q.transpose(1, 2).reshape(p * LANES, k)[:w.out_features]
 
 
 # --------------------------------------------------------------------------- ops
@@ -179,6 +265,18 @@ def int8_linear(x: torch.Tensor, w: Int8Panels, partial: bool = False) -> torch.
         y = torch.ops.tokenmill.int8_linear_dot(x2, w.q, w.s, w.out_features, w.act_bits, w.segment, partial)
     else:
         y = torch.ops.tokenmill.int8_linear(x2, w.q, w.s, w.out_features)
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+def q4k_linear(x: torch.Tensor, w: Q4KPanels, partial: bool = False) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.tokenmill.q4k_linear_dot(x2, w.q, w.sm, w.dd, w.out_features, w.act_bits, w.segment, partial)
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+def q6k_linear(x: torch.Tensor, w: Q6KPanels, partial: bool = False) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.tokenmill.q6k_linear_dot(x2, w.ql, w.qh, w.sc, w.d, w.out_features, w.act_bits, w.segment, partial)
     return y.view(*x.shape[:-1], w.out_features)
 
 

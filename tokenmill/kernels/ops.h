@@ -31,6 +31,11 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
                            int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
 at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits,
                            int64_t segment = 0, bool partial = false);
+// GGUF K-quants at their own width (Q4_K: linear.cpp, Q6_K: kquant.cpp; layouts in kernels/__init__.py)
+at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm, const at::Tensor& dd,
+                          int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
+at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                          const at::Tensor& d, int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
 #endif
 // K/V caches the paged kernels read: contiguous float32/float16 (num_blocks, block_size, Hkv, D), same shape.
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache);

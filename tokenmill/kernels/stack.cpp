@@ -19,15 +19,18 @@
 namespace tokenmill {
 namespace {
 
-// How a projection's weight is held (tokenmill.kernels' Int4Panels / Int8Panels, or float).
-enum Kind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kInt4Dot = 3, kInt8Dot = 4 };
+// How a projection's weight is held (tokenmill.kernels' Int4Panels / Int8Panels / Q4KPanels /
+// Q6KPanels, or float), or kStack: parts of different kinds stacked by output rows (a RowStack).
+enum Kind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kInt4Dot = 3, kInt8Dot = 4, kQ4K = 5, kQ6K = 6, kStack = 7 };
 // The MLP's activation: SiLU (Llama, Qwen2), GeLU, GeLU with the tanh approximation (Gemma).
 enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
 struct Projection {
   int64_t kind = kFloat, n = 0, bits = 16, float_min_rows = 0, segment = 0;
-  at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight
+  at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight; kQ4K: q, sm, dd; kQ6K: ql, qh, sc (+ e: d)
   at::Tensor bias, perm, fw;  // optional: bias (N,), input order (K,) of act-order GPTQ, float copy
+  at::Tensor e;
+  std::vector<Projection> parts;  // kStack
 
   // As tokenmill.layers.linear.Linear._matmul; `partial`: a row-parallel rank's share, float64 from
   // the int kernels, the bias left to the caller.
@@ -35,6 +38,12 @@ struct Projection {
     const at::Tensor& b = partial ? at::Tensor() : bias;
     if (fw.defined() && x.size(0) > float_min_rows) return at::linear(x, fw, b);
     if (kind == kFloat) return at::linear(x, q, b);
+    if (kind == kStack) {
+      std::vector<at::Tensor> ys;
+      for (const Projection& p : parts) ys.push_back(p(x, partial));
+      const at::Tensor y = at::cat(ys, 1);
+      return b.defined() ? y + b : y;
+    }
     const at::Tensor xi = perm.defined() ? x.index_select(1, perm) : x;
     at::Tensor y;
     switch (kind) {
@@ -43,6 +52,8 @@ struct Projection {
 #ifdef TOKENMILL_DOT
       case kInt4Dot: y = int4_linear_dot(xi, q, s, m, n, bits, segment, partial); break;
       case kInt8Dot: y = int8_linear_dot(xi, q, s, n, bits, segment, partial); break;
+      case kQ4K: y = q4k_linear_dot(xi, q, s, m, n, bits, segment, partial); break;
+      case kQ6K: y = q6k_linear_dot(xi, q, s, m, e, n, bits, segment, partial); break;
 #endif
       default: TORCH_CHECK(false, "unknown projection kind ", kind);
     }
@@ -144,7 +155,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // Appends the last layer's next projection, in the order qkv, o, gate_up, down (or the experts').
   void add_projection(int64_t kind, at::Tensor q, c10::optional<at::Tensor> s, c10::optional<at::Tensor> m,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> perm, c10::optional<at::Tensor> fw,
-                      int64_t n, int64_t bits, int64_t float_min_rows, int64_t segment) {
+                      int64_t n, int64_t bits, int64_t float_min_rows, int64_t segment, c10::optional<at::Tensor> e) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().complete(), "add_layer first; the layer has all its projections");
     Layer& last = layers_.back();
     if (last.num_experts && last.proj.size() == 2) {  // an expert's gate_up (2 x its width) or down
@@ -152,19 +163,33 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(down ? n == hidden() : n % 2 == 0, "expert projection has ", n, " outputs");
       last.expert_proj.push_back(Projection{kind, n, bits, float_min_rows, segment, q, s.value_or(at::Tensor()),
                                             m.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-                                            perm.value_or(at::Tensor()), fw.value_or(at::Tensor())});
+                                            perm.value_or(at::Tensor()), fw.value_or(at::Tensor()),
+                                            e.value_or(at::Tensor())});
       return;
     }
 #ifndef TOKENMILL_DOT
-    TORCH_CHECK(kind != kInt4Dot && kind != kInt8Dot, "the kernels were built without the dot layout");
+    TORCH_CHECK(kind != kInt4Dot && kind != kInt8Dot && kind != kQ4K && kind != kQ6K,
+                "the kernels were built without the dot layout");
 #endif
-    TORCH_CHECK(kind >= kFloat && kind <= kInt8Dot, "unknown projection kind ", kind);
+    TORCH_CHECK(kind >= kFloat && kind <= kStack, "unknown projection kind ", kind);
     const int64_t i = static_cast<int64_t>(layers_.back().proj.size());
     const int64_t want[4] = {(hq_ + 2 * hkv_) * d_, hidden(), 2 * inter_, hidden()};
     TORCH_CHECK(i == 0 || n == want[i], "projection ", i, " has ", n, " outputs, expected ", want[i]);
     Projection p{kind, n, bits, float_min_rows, segment, q, s.value_or(at::Tensor()), m.value_or(at::Tensor()),
-                 bias.value_or(at::Tensor()), perm.value_or(at::Tensor()), fw.value_or(at::Tensor())};
+                 bias.value_or(at::Tensor()), perm.value_or(at::Tensor()), fw.value_or(at::Tensor()),
+                 e.value_or(at::Tensor())};
     layers_.back().proj.push_back(std::move(p));
+  }
+
+  // Appends a part (rows after the previous parts') to the last projection, a kStack.
+  void add_part(int64_t kind, at::Tensor q, c10::optional<at::Tensor> s, c10::optional<at::Tensor> m,
+                c10::optional<at::Tensor> e, int64_t n, int64_t bits, int64_t segment) {
+    TORCH_CHECK(!layers_.empty() && !layers_.back().proj.empty() && layers_.back().proj.back().kind == kStack,
+                "add_part follows an add_projection of kind ", static_cast<int64_t>(kStack));
+    TORCH_CHECK(kind >= kInt4Dot && kind <= kQ6K, "a stacked part is a dot-layout weight, got kind ", kind);
+    Projection part{kind, n, bits, 0, segment, q, s.value_or(at::Tensor()), m.value_or(at::Tensor())};
+    part.e = e.value_or(at::Tensor());
+    layers_.back().proj.back().parts.push_back(std::move(part));
   }
 
   // h (B, hidden): one token per sequence; cos/sin (B, R/2) of its position (cos_local/sin_local:
@@ -295,6 +320,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, double>())
       .def("add_layer", &tokenmill::DecodeStack::add_layer)
       .def("add_projection", &tokenmill::DecodeStack::add_projection)
+      .def("add_part", &tokenmill::DecodeStack::add_part)
       .def("set_moe", &tokenmill::DecodeStack::set_moe)
       .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
       .def("forward", &tokenmill::DecodeStack::forward);

@@ -8,13 +8,16 @@ exactly, when every shard came as GGUF Q4_0/Q4_1 blocks, or by round-to-nearest 
 """
 from __future__ import annotations
 
+import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.quant import int4, int8
+from tokenmill.quant import int4, int8, kquant
+from tokenmill.quant.gguf_tensor import BlockTensor
 
 QUANT_POLICIES = ("auto", "none", "int8", "int4", "awq", "gptq")
 PREQUANTIZED = ("awq", "gptq")  # policies that name a checkpoint's format: they load its weights as stored
@@ -24,11 +27,77 @@ PREQUANTIZED = ("awq", "gptq")  # policies that name a checkpoint's format: they
 FLOAT_MIN_ROWS = 32
 
 
+_DEFERRED = [False]
+
+
+@contextlib.contextmanager
+def deferred_weights():
+    """Layers built inside allocate no weight until one is loaded (`Linear.stream`): a model whose
+    layers are packed as their weights stream in never holds a float copy of itself."""
+    _DEFERRED[0] = True
+    try:
+        yield
+    finally:
+        _DEFERRED[0] = False
+
+
+def deferrable_empty(*shape: int) -> nn.Parameter:
+    """An empty weight of `shape`, or a 0-element stand-in of the same dtype and device when
+    deferred (`materialize` gives it its storage)."""
+    return nn.Parameter(torch.empty(0) if _DEFERRED[0] else torch.empty(*shape), requires_grad=False)
+
+
+def materialize(param: nn.Parameter, shape: tuple[int, ...]) -> None:
+    if tuple(param.shape) != tuple(shape):
+        param.data = torch.empty(shape, dtype=param.dtype, device=param.device)
+
+
+def as_float(loaded) -> torch.Tensor:
+    return loaded.dequantize() if isinstance(loaded, BlockTensor) else loaded
+
+
+@dataclass(frozen=True)
+class QuantArgs:
+    """How a layer is packed (`Linear.quantize`), known before its weights arrive when they stream."""
+    policy: str
+    group_size: int
+    allow_int4: bool = True
+    keep_float: bool = False
+    activation_bits: int = 16
+    row_bounds: tuple[int, ...] = ()
+
+
+@dataclass
+class RowStack:
+    """Weights of different kinds stacked by output rows (a fused QKV whose V is Q6_K and Q, K are
+    Q4_K, as llama.cpp's Q4_K_M mixes them): each multiplies x, the outputs are concatenated."""
+    parts: list
+    out_features: int
+    in_features: int
+    panels: None = None
+
+
+def quant_matmul(x: torch.Tensor, q, partial: bool = False) -> torch.Tensor:
+    """x (..., K) times any quantized weight (int4, int8, a K-quant, or a RowStack of them)."""
+    if isinstance(q, int4.Int4Weight):
+        return int4.matmul(x, q, partial)
+    if isinstance(q, int8.Int8Weight):
+        return int8.matmul(x, q, partial)
+    if isinstance(q, kquant.KQuantWeight):
+        return kquant.matmul(x, q, partial)
+    return torch.cat([quant_matmul(x, p, partial) for p in q.parts], dim=-1)
+
+
+def leaf_weights(q) -> list:
+    """A quantized weight's kernel weights: itself, or a RowStack's parts."""
+    return list(q.parts) if isinstance(q, RowStack) else [q]
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = deferrable_empty(out_features, in_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         self.qweight: int4.Int4Weight | int8.Int8Weight | None = None
@@ -36,12 +105,16 @@ class Linear(nn.Module):
         self.input_perm: torch.Tensor | None = None  # act-order GPTQ: inputs reordered so groups are contiguous
         self._int4_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._int8_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._kq_parts: dict[str | None, kquant.KQuantWeight] = {}  # GGUF K-quant shards at their own width
+        self._sources: dict[str | None, BlockTensor] = {}             # ... and where they came from
         self._input_perms: dict[str | None, torch.Tensor | None] = {}
         self.quantized_source = False  # some shard was stored quantized in the checkpoint
         self.keep_float = False  # never quantized: MoE routers (tiny, and they decide which experts run)
         # row-parallel under tensor parallelism (distributed/tensor_parallel.py): the ranks' partial
         # outputs are summed by this group's all-reduce before the bias is added (once)
         self.tp_group = None
+        self.stream: QuantArgs | None = None  # set: each shard is converted as it loads, packed when all are in
+        self._loaded: set[str | None] = set()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None,
                       int4_parts: tuple | None = None, int8_parts: tuple | None = None,
@@ -49,23 +122,65 @@ class Linear(nn.Module):
         """`int4_parts` (q, scale, min) / `int8_parts` (q, scale): the exact quantized form of
         `loaded` (which is its dequantized float), kept so that `quantize` need not round again;
         `input_perm`: the input order the int4 parts are stored in (act-order GPTQ)."""
-        if param is self.weight:
-            self.quantized_source |= quantized
-            if int4_parts is not None:
-                self._int4_parts[shard] = int4_parts
-                self._input_perms[shard] = input_perm
-            if int8_parts is not None:
-                self._int8_parts[shard] = int8_parts
+        full = (self.out_features, self.in_features) if param is self.weight else tuple(param.shape)
         if shard is None:
-            if param.shape != loaded.shape:
-                raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {tuple(param.shape)}")
-            param.data.copy_(loaded)
+            if tuple(loaded.shape) != full:
+                raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {full}")
+            rows = slice(None)
+        else:
+            start, size = self.shard_offsets[shard]
+            if loaded.shape[0] != size or tuple(loaded.shape[1:]) != full[1:]:
+                raise ValueError(f"shape mismatch for shard {shard!r}: checkpoint {tuple(loaded.shape)}, "
+                                 f"expected ({size}, {', '.join(map(str, full[1:]))})")
+            rows = slice(start, start + size)
+        if param is not self.weight:
+            param.data[rows].copy_(loaded)
             return
-        start, size = self.shard_offsets[shard]
-        if loaded.shape[0] != size or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"shape mismatch for shard {shard!r}: checkpoint {tuple(loaded.shape)}, "
-                             f"expected ({size}, {', '.join(map(str, param.shape[1:]))})")
-        param.data[start:start + size].copy_(loaded)
+        quantized = quantized or (isinstance(loaded, BlockTensor) and loaded.quantized)
+        self.quantized_source |= quantized
+        if self.stream is not None and not self._needs_float(quantized):
+            if self._kquant(loaded):
+                self._kq_parts[shard] = kquant.from_blocks(loaded.kind, *loaded.shape, loaded.raw)
+                self._sources[shard] = loaded
+            else:
+                int4_parts, int8_parts = self._parts_of(loaded, int4_parts, int8_parts)
+        else:
+            materialize(param, full)
+            param.data[rows].copy_(as_float(loaded))
+            if isinstance(loaded, BlockTensor) and int4_parts is None and int8_parts is None:
+                int4_parts = loaded.int4_parts()  # Q4_0/Q4_1 stay exact
+        if int4_parts is not None:
+            self._int4_parts[shard] = int4_parts
+            self._input_perms[shard] = input_perm
+        if int8_parts is not None:
+            self._int8_parts[shard] = int8_parts
+        self._loaded.add(shard)
+        if self.stream is not None and self._loaded >= set(self.shard_offsets or [None]):
+            self.quantize(**vars(self.stream))
+
+    def _needs_float(self, quantized: bool) -> bool:
+        """Streaming: whether this layer keeps (or is packed from) its float weight."""
+        a = self.stream
+        return a.policy == "none" or a.keep_float or (not quantized and a.policy not in ("int8", "int4"))
+
+    def _kquant(self, loaded) -> bool:
+        """A K-quant tensor the kernels run at its own width (auto: the file's weights as they are;
+        an explicit int8/int4 policy rounds them instead)."""
+        return (isinstance(loaded, BlockTensor) and self.stream.policy in ("auto", *PREQUANTIZED)
+                and kquant.supported(loaded.kind, *loaded.shape))
+
+    def _parts_of(self, loaded, int4_parts, int8_parts) -> tuple:
+        """A shard's packed-to-be form without its float copy: the exact parts that came with it,
+        the file's own 4-bit blocks, or what `quantize` would round the float to (row-local
+        roundings, so shard by shard gives the same numbers as the whole weight)."""
+        a = self.stream
+        if int4_parts is not None or int8_parts is not None:
+            return int4_parts, int8_parts
+        if isinstance(loaded, BlockTensor) and (parts := loaded.int4_parts()) is not None:
+            return parts, None
+        if a.policy == "int4" and a.allow_int4 and self.out_features % 16 == 0:
+            return int4.quantize_rtn(as_float(loaded), a.group_size), None
+        return None, (loaded.int8_parts() if isinstance(loaded, BlockTensor) else int8.rtn_parts(loaded))
 
     def quantize(self, policy: str, group_size: int, allow_int4: bool = True, keep_float: bool = False,
                  activation_bits: int = 16, row_bounds: tuple[int, ...] = ()) -> None:
@@ -78,10 +193,25 @@ class Linear(nn.Module):
         begin and end, at any rank count (`tensor_parallel.row_parallel_bounds`); see `reduction_segment`."""
         if policy == "int4" and group_size not in int4.GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {int4.GROUP_SIZES}, got {group_size}.")
+        if self.qweight is not None:
+            return  # packed already, as its weights streamed in
         expected = list(self.shard_offsets) or [None]
         allow_int4 = allow_int4 and self.out_features % 16 == 0  # the CPU packing works on 16-row tiles
         exact = allow_int4 and all(s in self._int4_parts for s in expected) and self._same_perm(expected)
-        if policy == "none":
+        if self._kq_parts and set(self._kq_parts) >= set(expected):
+            self.qweight = _stack_kquants([self._kq_parts[s] for s in expected], self.out_features, self.in_features)
+            self._sources = {}
+        for s, src in self._sources.items():  # K-quant shards fused with shards of other types: all int8
+            self._int8_parts[s] = src.int8_parts()
+        self._kq_parts, self._sources = {}, {}
+        if self.qweight is None and not exact and self.weight.numel() == 0:  # streamed without a float copy: mixed parts become int8
+            for s in expected:
+                if s not in self._int8_parts:
+                    q, scale, minimum = self._int4_parts[s]
+                    w = int4.dequantize(q, scale, minimum)
+                    perm = self._input_perms.get(s)
+                    self._int8_parts[s] = int8.rtn_parts(w if perm is None else w[:, torch.argsort(perm)])
+        if self.qweight is not None or policy == "none":
             pass
         elif exact:
             parts = [self._int4_parts[s] for s in expected]
@@ -96,12 +226,15 @@ class Linear(nn.Module):
         elif policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and self.quantized_source):
             self.qweight = int8.quantize_rtn(self.weight.data)
         self._int4_parts, self._int8_parts, self._input_perms = {}, {}, {}
+        self.stream = None
         if self.qweight is not None:
-            if self.qweight.panels is not None:
-                self.qweight.panels.act_bits = activation_bits
-                unit = self.qweight.group_size if isinstance(self.qweight, int4.Int4Weight) else 32
+            for w in leaf_weights(self.qweight):
+                if w.panels is None:
+                    continue
+                w.panels.act_bits = activation_bits
+                unit = w.group_size if isinstance(w, int4.Int4Weight) else 256 if isinstance(w, kquant.KQuantWeight) else 32
                 perm = self.input_perm is not None  # permuted inputs: slices are not runs of them
-                self.qweight.panels.segment = 0 if perm else reduction_segment(self.in_features, unit, row_bounds)
+                w.panels.segment = 0 if perm else reduction_segment(self.in_features, unit, row_bounds)
             self.float_weight = self.weight.data if keep_float else None
             self.weight = None
 
@@ -126,7 +259,7 @@ class Linear(nn.Module):
             return F.linear(x, self.float_weight, bias)
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
-        y = int4.matmul(x, q, partial) if isinstance(q, int4.Int4Weight) else int8.matmul(x, q, partial)
+        y = quant_matmul(x, q, partial)
         return y if bias is None else y + bias
 
 
@@ -154,3 +287,15 @@ class FusedLinear(Linear):
         for name, size in shards.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
+
+
+def _stack_kquants(parts: list, out_features: int, in_features: int):
+    """Shards in order: runs of one kind concatenated, a RowStack where kinds change."""
+    runs: list[list] = []
+    for w in parts:
+        if runs and runs[-1][0].kind == w.kind:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    merged = [kquant.cat(run) if len(run) > 1 else run[0] for run in runs]
+    return merged[0] if len(merged) == 1 else RowStack(merged, out_features, in_features)

@@ -15,10 +15,10 @@ import os
 import torch
 
 from tokenmill import kernels
-from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear
+from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear, RowStack, leaf_weights
 from tokenmill.models.llama import CausalLM
 from tokenmill.models.moe import SparseMoE
-from tokenmill.quant import int4
+from tokenmill.quant import int4, int8
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,13 @@ def build(model: CausalLM) -> object | None:
                         sa.window, sa.rope_index, *qk, *outs)
         projections = _projections(layer)
         for proj in projections[:2]:  # qkv, o
-            stack.add_projection(*_projection_args(proj))
+            _add(stack, proj)
         if isinstance(layer.mlp, SparseMoE):
             moe = layer.mlp
             shared = moe.shared_expert_gate.weight.data if moe.shared_expert is not None else None
             stack.set_moe(moe.gate.weight.data, moe.top_k, moe.norm_topk, shared)
         for proj in projections[2:]:  # gate_up, down, or every expert's
-            stack.add_projection(*_projection_args(proj))
+            _add(stack, proj)
     return stack
 
 
@@ -69,19 +69,35 @@ def _projections(layer) -> list[Linear]:
     return attn + [layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
-def _projection_args(proj: Linear) -> tuple:
-    """stack.cpp's add_projection(kind, q, s, m, bias, perm, float_weight, n, bits, float_min_rows, segment)."""
+def _add(stack, proj: Linear) -> None:
+    """stack.cpp's add_projection(kind, q, s, m, bias, perm, float_weight, n, bits, float_min_rows,
+    segment, e), then add_part(kind, q, s, m, e, n, bits, segment) for each part of a RowStack."""
     bias = None if proj.bias is None else proj.bias.data
     q = proj.qweight
     if q is None:
-        return 0, proj.weight.data, None, None, bias, None, None, proj.out_features, 16, 0, 0
+        return stack.add_projection(0, proj.weight.data, None, None, bias, None, None, proj.out_features, 16, 0, 0, None)
+    if isinstance(q, RowStack):
+        stack.add_projection(7, torch.empty(0), None, None, bias, None, proj.float_weight, q.out_features, 16,
+                             FLOAT_MIN_ROWS, 0, None)
+        for part in q.parts:
+            kind, tensors, p = _weight_args(part)
+            stack.add_part(kind, *tensors, p.out_features, p.act_bits, p.segment)
+        return None
+    kind, (t0, s, m, e), p = _weight_args(q)
+    return stack.add_projection(kind, t0, s, m, bias, proj.input_perm, proj.float_weight, p.out_features, p.act_bits,
+                                FLOAT_MIN_ROWS, p.segment, e)
+
+
+def _weight_args(q) -> tuple:
+    """(stack.cpp kind, its four tensors, the panels) of a quantized weight."""
     p = q.panels
     if isinstance(q, int4.Int4Weight):
-        kind, s, m = (3 if p.dot else 1), p.s, p.m
-    else:
-        kind, s, m = (4 if p.dot else 2), p.s, None
-    return (kind, p.q, s, m, bias, proj.input_perm, proj.float_weight, p.out_features, p.act_bits, FLOAT_MIN_ROWS,
-            p.segment)
+        return (3 if p.dot else 1), (p.q, p.s, p.m, None), p
+    if isinstance(q, int8.Int8Weight):
+        return (4 if p.dot else 2), (p.q, p.s, None, None), p
+    if q.kind == "Q4_K":
+        return 5, (p.q, p.sm, p.dd, None), p
+    return 6, (p.ql, p.qh, p.sc, p.d), p
 
 
 def _unsupported(model: CausalLM) -> str | None:
@@ -95,7 +111,7 @@ def _unsupported(model: CausalLM) -> str | None:
         return "whole-projection q/k norms or q/k/v clamping (OLMoE)"
     if model.cfg.attn_softcap is not None:
         return "attention-score soft-capping (Gemma 2) is not in the attention kernels"
-    embed = model.model.embed_tokens.weight
+    embed = model.model.embed_tokens
     if embed.device.type != "cpu" or embed.dtype != torch.float32:
         return f"the model runs in {embed.dtype} on {embed.device.type} (the stack takes float32 on CPU)"
     if model.tp_group is not None and any(layer.self_attn.o_proj.bias is not None or layer.mlp.down_proj.bias is not None
@@ -109,6 +125,6 @@ def _unsupported(model: CausalLM) -> str | None:
             q = proj.qweight
             if q is None and proj.weight.dtype != torch.float32:
                 return f"a {proj.weight.dtype} projection"
-            if q is not None and q.panels is None:
+            if q is not None and any(w.panels is None for w in leaf_weights(q)):
                 return "a projection outside the kernels' panel layouts"
     return None

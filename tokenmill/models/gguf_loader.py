@@ -1,9 +1,10 @@
-"""Single-file GGUF models: metadata, tensors (dequantized at load), tokenizer and chat template.
+"""Single-file GGUF models: metadata, tensors, tokenizer and chat template.
 
-The `gguf` package parses the file and dequantizes block formats; this module maps llama.cpp
-tensor names onto Hugging Face names, undoes llama.cpp's Q/K row permutation for Llama-family
-files (it converts rotate-half RoPE to interleaved; our rotary is rotate-half), and turns every
-way a file can be broken into a ValueError that says so.
+The `gguf` package parses the header; tensors are handed to the model unread, as BlockTensors
+(quant/gguf_tensor.py) that each layer reads into its own packed form, a run of rows at a time.
+This module maps llama.cpp tensor names onto Hugging Face names, undoes llama.cpp's Q/K row
+permutation for Llama-family files (it converts rotate-half RoPE to interleaved; our rotary is
+rotate-half), and turns every way a file can be broken into a ValueError that says so.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from tokenmill.quant import gguf_blocks
+from tokenmill.quant.gguf_tensor import FLOAT_TYPES, open_tensor, read_float
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
@@ -86,6 +87,18 @@ class GGUFFile:
                 shapes[hf] = shape
         return shapes
 
+    def footprint(self) -> list[tuple[str, int, str]]:
+        """(hf name, elements, kind) of every tensor the model loads, kind float, q4 (Q4_0/Q4_1,
+        kept as int4) or block (other block types): what the memory check counts."""
+        out = []
+        for name, t in self.tensors.items():
+            hf = self._hf_name(name)
+            if hf is not None:
+                kind = t.tensor_type.name
+                out.append((hf, int(t.n_elements), "float" if kind in FLOAT_TYPES else
+                            "q4" if kind in ("Q4_0", "Q4_1") else "block"))
+        return out
+
     def dense_layers(self) -> tuple[int, ...]:
         """In a mixture-of-experts file: the layers without a router (a dense MLP)."""
         blocks = {int(m.group(1)) for n in self.tensors if (m := _BLK.match(n))}
@@ -98,35 +111,37 @@ class GGUFFile:
     def vocab_size(self) -> int:
         return self.tensors["token_embd.weight"].shape[-1].item() if "token_embd.weight" in self.tensors else 0
 
-    def hf_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor, dict]]:
-        """Yield (hf_name, float32 tensor, extras) for every tensor in the file. extras:
-        `quantized` (stored in a block format) and, for Q4_0/Q4_1, `int4_parts` = the exact
-        (q, scale, min) groups, so the weight can stay 4-bit without re-quantizing."""
+    def hf_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, object, dict]]:
+        """Yield (hf_name, tensor, extras) for every tensor in the file: float types as float32
+        tensors, block types as BlockTensors (read when a layer packs them); extras `quantized`:
+        stored in a block format. A stacked expert tensor yields one tensor per expert."""
         permute = self.architecture in ("llama", "mistral")
         for name, t in self.tensors.items():
             hf = self._hf_name(name)
             if hf is None:
                 continue
             kind = t.tensor_type.name
-            w = torch.from_numpy(np.array(self._dequantize(t), copy=True))
-            parts = None
-            if kind in ("Q4_0", "Q4_1") and w.dim() in (2, 3):
-                parts = gguf_blocks.decode(np.asarray(t.data).reshape(w.shape[:-1].numel(), -1), kind, w.shape[-1])
-            quantized = kind not in ("F32", "F16", "BF16")
-            if w.dim() == 3:  # one tensor per expert, its rows a slice of the stacked parts
-                rows = w.shape[1]
-                for e in range(w.shape[0]):
-                    ep = None if parts is None else tuple(p[e * rows:(e + 1) * rows] for p in parts)
-                    yield hf.format(e=e), w[e], {"quantized": quantized, "int4_parts": ep}
+            shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: (rows, cols)
+            quantized = kind not in FLOAT_TYPES
+            try:
+                w = (open_tensor(self.path, int(t.data_offset), kind, shape, name) if quantized
+                     else read_float(self.path, int(t.data_offset), kind, shape))
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - unreadable offsets or sizes: a broken file
+                raise ValueError(f"tensor {name} in {self.path} could not be read ({type(e).__name__}: {e}); "
+                                 "the file is corrupt or truncated.") from None
+            if len(shape) == 3:  # one tensor per expert, its rows a slice of the stacked ones
+                rows = shape[1]
+                for e in range(shape[0]):
+                    yield hf.format(e=e), (w[e * rows:(e + 1) * rows] if quantized else w[e]), {"quantized": quantized}
                 continue
-            if hf.endswith("shared_expert_gate.weight") and w.dim() == 1:
+            if hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
                 w = w[None]  # llama.cpp stores the (1, hidden) gate as a vector
             if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = num_heads if "attn_q" in name else num_kv_heads
-                w = _unpermute(w, heads)
-                if parts is not None:
-                    parts = tuple(_unpermute(p, heads) for p in parts)
-            yield hf, w, {"quantized": quantized, "int4_parts": parts}
+                w = w.permute_rows(_unpermute(torch.arange(shape[0]), heads).numpy()) if quantized else _unpermute(w, heads)
+            yield hf, w, {"quantized": quantized}
 
     def rope_factors(self) -> tuple[list[float], list[float]] | None:
         """(short, long) LongRoPE factors, which llama.cpp stores as tensors, or None."""

@@ -17,7 +17,8 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.distributed.tensor_parallel import row_parallel_bounds
 from tokenmill.layers.attention import Attention, get_forward_context
-from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear
+from tokenmill.layers.embedding import Embedding
+from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear, QuantArgs, leaf_weights, quant_matmul
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
@@ -147,15 +148,14 @@ class CausalLM(nn.Module):
             cfg = self.plan.local_arch(cfg)
         self.cfg = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.rotary = RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = None if cfg.local_rope_theta is None else \
             RotaryEmbedding(cfg.rope_dim, cfg.max_position_embeddings, cfg.local_rope_theta, None)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.tied_head_q: int8.Int8Weight | None = None  # int8 copy of a tied embedding for the output
+        self.tied_head_q = None  # the tied embedding in a kernel form (int8, or its own K-quant) for the output
         self.quantized_sources: set[str] = set()         # parameters stored quantized in the checkpoint
         self.decode_stack = None  # all layers as one native call for decode steps (models/decode_stack.py)
         if self.tp_group is not None:
@@ -205,9 +205,9 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         elif self.tied_head_q is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
-            logits = int8.matmul(hidden, self.tied_head_q).float()
+            logits = quant_matmul(hidden, self.tied_head_q).float()
         else:
-            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+            logits = self.model.embed_tokens.logits(hidden).float()
         if self.plan is not None:
             logits = self.tp_group.gather_vocab(logits, self.plan)
             if logits is None:
@@ -216,23 +216,39 @@ class CausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def quantize(self, policy: str, group_size: int, keep_float: bool = False, activation_bits: int = 16) -> None:
-        """Swap float weights for int4/int8 ones (see `Linear.quantize`). The output projection
-        gets int8 at most and 16-bit activations: the logits decide sampling, and int4 or 8-bit
-        rounding there costs more accuracy than the time it saves.
+        """Swap float weights for int4/int8 ones (see `Linear.quantize`, `_linears`).
         `keep_float` keeps the float weights too, for steps with many tokens."""
+        for _, module, args in self._linears(policy, group_size, keep_float, activation_bits):
+            module.quantize(**vars(args))
+        embed_q = "model.embed_tokens.weight" in self.quantized_sources
+        if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
+            self.tied_head_q = self.model.embed_tokens.head_weight(policy)
+            for w in leaf_weights(self.tied_head_q):
+                if w.panels is not None:
+                    w.panels.act_bits = 16
+
+    def stream_quantized(self, policy: str, group_size: int, keep_float: bool = False, activation_bits: int = 16) -> None:
+        """Before loading: each linear layer is packed as soon as its weights are in, and a
+        block-quantized embedding stays in its blocks (`quantize` then finishes the rest)."""
+        for _, module, args in self._linears(policy, group_size, keep_float, activation_bits):
+            module.stream = args
+        self.model.embed_tokens.keep_blocks = policy != "none"
+
+    def _linears(self, policy: str, group_size: int, keep_float: bool, activation_bits: int):
+        """(name, layer, QuantArgs) of every linear layer that is quantized. The output projection
+        gets int8 at most and 16-bit activations: the logits decide sampling, and int4 or 8-bit
+        rounding there costs more accuracy than the time it saves."""
         for name, module in self.named_modules():
             if isinstance(module, Linear) and not module.keep_float:
                 head = name == "lm_head"
                 bounds = next((v for k, v in self.row_bounds.items() if name.endswith(k)), ())
-                module.quantize(policy, group_size, allow_int4=not head, keep_float=keep_float,
-                                activation_bits=16 if head else activation_bits, row_bounds=bounds)
-        embed_q = "model.embed_tokens.weight" in self.quantized_sources
-        if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
-            self.tied_head_q = int8.quantize_rtn(self.model.embed_tokens.weight.data)
+                yield name, module, QuantArgs(policy, group_size, allow_int4=not head, keep_float=keep_float,
+                                              activation_bits=16 if head else activation_bits, row_bounds=bounds)
 
     def quantized_weights(self) -> list:
         """Every int4/int8 weight, in the order a forward pass reads them (the tied head last)."""
-        weights = [m.qweight for m in self.modules() if isinstance(m, Linear) and m.qweight is not None]
+        weights = [w for m in self.modules() if isinstance(m, Linear) and m.qweight is not None
+                   for w in leaf_weights(m.qweight)]
         return weights + ([self.tied_head_q] if self.tied_head_q is not None else [])
 
     def decode_weight_bytes(self) -> int:
@@ -248,8 +264,8 @@ class CausalLM(nn.Module):
             elif getattr(module, "weight", None) is not None and module is not self.model.embed_tokens:
                 total += share * module.weight.numel() * module.weight.element_size()
         if self.lm_head is None:
-            head, embed = self.tied_head_q, self.model.embed_tokens.weight
-            total += _kernel_bytes(head) if head is not None else embed.numel() * embed.element_size()
+            head, embed = self.tied_head_q, self.model.embed_tokens
+            total += _kernel_bytes(head) if head is not None else embed.num_embeddings * embed.embedding_dim * 4
         return int(total)
 
     def attention_layers(self) -> list[Attention]:
@@ -258,8 +274,11 @@ class CausalLM(nn.Module):
 
 def _kernel_bytes(qweight) -> int:
     """Bytes of the tensors a quantized weight's kernel reads: its panels when it has them."""
-    src = qweight.panels if getattr(qweight, "panels", None) is not None else qweight
-    return sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
+    total = 0
+    for w in leaf_weights(qweight):
+        src = w.panels if w.panels is not None else w
+        total += sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
+    return total
 
 
 # Mixtral's checkpoint names -> the ones the other MoE families (and our modules) use
@@ -308,7 +327,8 @@ def load_weights(model: CausalLM, weights) -> None:
         owner = ".".join(parts[:-1])
         module = modules[owner]
         loader = getattr(module, "weight_loader", None)
-        tensor = tensor.to(param.dtype)
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.to(param.dtype)
         shards = getattr(module, "shard_offsets", None)
         if shard is None and shards and loader is not None:
             # fused in the checkpoint too (Phi-3's qkv_proj, gate_up_proj): split by the shards' full rows

@@ -1,7 +1,10 @@
 """Model sources: a Hugging Face directory or a single GGUF file -> (CausalLM, Tokenizer).
 
 The format is recognised from the files themselves (GGUF magic, `config.json`), never from a
-file name. Weights stream tensor by tensor into a model built on the target device and dtype.
+file name. Weights stream tensor by tensor into a model built on the target device and dtype
+without its weights: each linear layer is packed into its kernel form as soon as its tensors are
+in, so no float copy of the model exists. Before that, what the weights and the KV cache will
+take is checked against the memory this process may use (`resources.check_fits`).
 """
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ from typing import Iterator
 
 import torch
 
-from tokenmill import kernels
-from tokenmill.layers.linear import PREQUANTIZED, QUANT_POLICIES
+from tokenmill import kernels, resources
+from tokenmill.layers.linear import PREQUANTIZED, QUANT_POLICIES, deferred_weights
 from tokenmill.models import hf_quant
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.gguf_loader import GGUFFile, is_gguf
@@ -31,45 +34,61 @@ class LoadedModel:
     activation_bits: int = 16  # what the CPU int kernels round inputs to, "auto" resolved
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How the weights are packed as they load (`CausalLM.stream_quantized`), and the bytes of
+    memory to keep free beside them (the KV cache) when checking that the model fits."""
+    policy: str
+    group_size: int
+    keep_float: bool
+    activation_bits: int
+    reserve_bytes: int
+
+
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
          quantization: str = "auto", group_size: int = 32, keep_float: bool = False,
-         activation_bits: int | str = "auto", tp_group=None) -> LoadedModel:
+         activation_bits: int | str = "auto", tp_group=None, reserve_bytes: int = 0) -> LoadedModel:
     """`tp_group`: this process is one rank of a tensor-parallel group (distributed/tensor_parallel
     TPGroup): the model built is the rank's shard, each tensor sliced as it is read.
     `quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
     checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels run on
-    CPU; on other devices weights stay in the model dtype. `activation_bits`: see ModelConfig."""
+    CPU; on other devices weights stay in the model dtype. `activation_bits`: see ModelConfig.
+    `reserve_bytes`: memory the caller will allocate next to the weights (its KV cache): a CPU
+    model is refused before loading when weights and reserve exceed what this process may use."""
     if quantization not in QUANT_POLICIES:
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
     if activation_bits != "auto" and activation_bits not in kernels.ACT_BITS:
         raise ValueError(f"activation_bits must be auto, 8 or 16, got {activation_bits!r}.")
-    loaded = _load(path, dtype, device, load_tokenizer, quantization, tp_group)
-    if device.type != "cpu":
-        quantization = "none"
+    if not os.path.exists(path):  # before anything slow (the kernels' first build)
+        raise ValueError(f"model path {path!r} does not exist.")
+    policy = quantization if device.type == "cpu" else "none"
     if activation_bits == "auto":
         activation_bits = kernels.auto_activation_bits() if device.type == "cpu" and kernels.available() else 16
-    loaded.model.quantize(quantization, group_size, keep_float, activation_bits)
+    plan = _Plan(policy, group_size, keep_float, activation_bits, reserve_bytes)
+    with resources.returning_freed_memory():
+        loaded = _load(path, dtype, device, load_tokenizer, quantization, tp_group, plan)
+        loaded.model.quantize(policy, group_size, keep_float, activation_bits)
     loaded.activation_bits = activation_bits
     return loaded
 
 
 def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str,
-          tp_group=None) -> LoadedModel:
+          tp_group, plan: _Plan) -> LoadedModel:
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist.")
     if os.path.isfile(path):
         if not is_gguf(path):
             raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory.")
         _refuse_prequant(quantization, None, path)
-        return _load_gguf(path, dtype, device, load_tokenizer, tp_group)
+        return _load_gguf(path, dtype, device, load_tokenizer, tp_group, plan)
     if not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) == 1:
             _refuse_prequant(quantization, None, path)
-            return _load_gguf(ggufs[0], dtype, device, load_tokenizer, tp_group)
+            return _load_gguf(ggufs[0], dtype, device, load_tokenizer, tp_group, plan)
         raise ValueError(f"{path} has no config.json (and not exactly one .gguf file); "
                          "point --model at a Hugging Face model directory or a .gguf file.")
-    return _load_hf(path, dtype, device, load_tokenizer, quantization, tp_group)
+    return _load_hf(path, dtype, device, load_tokenizer, quantization, tp_group, plan)
 
 
 def _refuse_prequant(quantization: str, found: str | None, path: str) -> None:
@@ -133,7 +152,8 @@ def check_declared_sizes(arch: ArchConfig, shapes: dict[str, tuple[int, ...]], s
                          f"file is corrupt or incomplete, or its configuration belongs to another model.")
 
 
-def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator, tp_group=None) -> CausalLM:
+def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: Iterator, tp_group,
+           plan: _Plan) -> CausalLM:
     tp = None
     if tp_group is not None:
         from tokenmill.distributed.tensor_parallel import ShardPlan
@@ -141,16 +161,40 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), deferred_weights():
             model = CausalLM(arch, tp)
     finally:
         torch.set_default_dtype(prev)
+    model.stream_quantized(plan.policy, plan.group_size, plan.keep_float, plan.activation_bits)
     load_weights(model, weights)
     return model.eval()
 
 
+def _check_fits(source: str, tensors: list[tuple[str, int, str]], arch: ArchConfig, plan: _Plan, device: torch.device,
+                tp_group) -> None:
+    """`tensors`: (hf name, elements, kind) with kind float, q4 (4-bit blocks kept as int4) or
+    block (another quantized form: int8 in the kernels, or its own blocks for the embedding).
+    Tensor-parallel ranks share the host: rank 0 checks the whole model."""
+    if device.type != "cpu" or (tp_group is not None and tp_group.rank != 0):
+        return
+    weights = 0
+    quantize = plan.policy != "none"
+    for name, n, kind in tensors:
+        if name == "model.embed_tokens.weight":
+            weights += n * (0.6 if kind != "float" and quantize else 4)  # Q4..Q8 blocks kept as they are
+            if arch.tie_word_embeddings and quantize and (kind != "float" or plan.policy in ("int8", "int4")):
+                weights += n  # the tied head's int8 panels
+        elif kind == "q4" and quantize:
+            weights += n * 0.625 + (4 * n if plan.keep_float else 0)
+        elif (kind == "block" and quantize) or plan.policy in ("int8", "int4"):
+            weights += n * (0.625 if plan.policy == "int4" else 1) + (4 * n if plan.keep_float else 0)
+        else:
+            weights += 4 * n
+    resources.check_fits(int(weights), plan.reserve_bytes, source)
+
+
 def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str,
-             tp_group=None) -> LoadedModel:
+             tp_group, plan: _Plan) -> LoadedModel:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         try:
             cfg = json.load(f)
@@ -163,14 +207,17 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, 
                          "they can execute code; convert them to safetensors).")
     src = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(cfg.get("torch_dtype") or cfg.get("dtype"),
                                                                        torch.float32)
-    check_declared_sizes(arch, _safetensors_shapes(files), path)
+    shapes = _safetensors_shapes(files)
+    check_declared_sizes(arch, shapes, path)
     weights = _safetensors_weights(files)
     qcfg = cfg.get("quantization_config")
     prequant = hf_quant.PrequantConfig.from_hf(qcfg) if qcfg else None
     _refuse_prequant(quantization, prequant.method if prequant else None, path)
     if prequant is not None:
         weights = hf_quant.convert(weights, prequant)
-    model = _build(arch, resolve_dtype(dtype, src, device), device, weights, tp_group)
+    _check_fits(path, [_hf_tensor(name, shape, prequant) for name, shape in shapes.items()], arch, plan, device,
+                tp_group)
+    model = _build(arch, resolve_dtype(dtype, src, device), device, weights, tp_group, plan)
     tok = Tokenizer.from_hf_dir(path) if load_tokenizer else None
     return LoadedModel(model, arch, tok)
 
@@ -203,14 +250,28 @@ def _safetensors_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]
             raise ValueError(f"{file} is not a readable safetensors file (corrupt or truncated?): {e}") from None
 
 
-def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, tp_group=None) -> LoadedModel:
+def _hf_tensor(name: str, shape: tuple[int, ...], prequant) -> tuple[str, int, str]:
+    """A safetensors tensor as `_check_fits` counts it: AWQ/GPTQ qweights hold 32/bits weights per int32."""
+    n = 1
+    for d in shape:
+        n *= d
+    if prequant is not None and name.endswith(".qweight"):
+        return name, n * 32 // prequant.bits, "q4" if prequant.bits == 4 else "block"
+    if prequant is not None and name.endswith((".qzeros", ".scales", ".g_idx")):
+        return name, 0, "float"
+    return name, n, "float"
+
+
+def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, tp_group,
+               plan: _Plan) -> LoadedModel:
     g = GGUFFile(path)
     arch = ArchConfig.from_gguf(g.meta, g.vocab_size(), has_output="output.weight" in g.tensors,
                                 rope_factors=g.rope_factors(), dense_layers=g.dense_layers())
     if "token_embd.weight" not in g.tensors:
         raise ValueError(f"{path} has no token_embd.weight tensor; the file is incomplete.")
     check_declared_sizes(arch, g.hf_shapes(), path)
+    _check_fits(path, g.footprint(), arch, plan, device, tp_group)
     model = _build(arch, resolve_dtype(dtype, torch.float32, device), device,
-                   g.hf_weights(arch.num_heads, arch.num_kv_heads), tp_group)
+                   g.hf_weights(arch.num_heads, arch.num_kv_heads), tp_group, plan)
     tok = Tokenizer.from_gguf(g.meta) if load_tokenizer else None
     return LoadedModel(model, arch, tok)

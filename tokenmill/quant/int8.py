@@ -12,7 +12,7 @@ from tokenmill import kernels
 
 @dataclass
 class Int8Weight:
-    q: torch.Tensor       # int8 (N, K)
+    q: torch.Tensor | None  # int8 (N, K); None where the panels hold the only copy
     scale: torch.Tensor   # (N,): bfloat16 for PyTorch's kernel, float32 with panels
     out_features: int
     in_features: int
@@ -23,15 +23,21 @@ def make(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
     """The int8 weight for integers q (N, K) and per-row scales (N,), in the fastest layout."""
     n, k = q.shape
     if kernels.available() and k % 2 == 0:
-        return Int8Weight(q.contiguous(), scale.float(), n, k, kernels.pack_int8(q, scale))
+        return Int8Weight(None, scale.float(), n, k, kernels.pack_int8(q, scale))
     return Int8Weight(q.contiguous(), scale.to(torch.bfloat16), n, k)
 
 
-def quantize_rtn(w: torch.Tensor) -> Int8Weight:
+def rtn_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row round-to-nearest of a float (N, K) weight: (q int8, scale (N,)). Row by row, so a
+    weight converted in runs of rows gets the same numbers as converted whole."""
     w32 = w.float()
     scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-10)
     q = (w32 / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return make(q, scale)
+    return q, scale
+
+
+def quantize_rtn(w: torch.Tensor) -> Int8Weight:
+    return make(*rtn_parts(w))
 
 
 def matmul(x: torch.Tensor, w: Int8Weight, partial: bool = False) -> torch.Tensor:
@@ -45,4 +51,5 @@ def matmul(x: torch.Tensor, w: Int8Weight, partial: bool = False) -> torch.Tenso
 
 
 def dequantize(w: Int8Weight) -> torch.Tensor:
-    return w.q.float() * w.scale.float()[:, None]
+    q = w.q if w.q is not None else kernels.unpack_int8(w.panels)
+    return q.float() * w.scale.float()[:, None]

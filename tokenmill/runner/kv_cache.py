@@ -20,6 +20,13 @@ def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> in
     return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
 
 
+def cpu_budget(kv_cache_memory: int | None, device: torch.device) -> int:
+    """The bytes a CPU KV cache may grow to (what the memory check keeps free for it); 0 elsewhere."""
+    if device.type != "cpu":
+        return 0
+    return CPU_KV_CACHE_BYTES if kv_cache_memory is None else int(kv_cache_memory)
+
+
 def num_blocks_for(arch: ArchConfig, block_size: int, dtype: torch.dtype, device: torch.device,
                    kv_cache_memory: int | None, gpu_memory_utilization: float,
                    extra_bytes_per_block: int = 0) -> tuple[int, int]:

@@ -57,7 +57,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.cache[0, i], self.cache[1, i]
         if device.type == "cpu":  # before the decode stack takes the panels
             gather_in_huge_pages([(qw.panels, f) for qw in model.quantized_weights() if qw.panels is not None
-                                  for f in ("q", "s", "m") if hasattr(qw.panels, f)])
+                                  for f, t in vars(qw.panels).items() if isinstance(t, torch.Tensor)])
         model.decode_stack = decode_stack.build(model)
         self.sampler = Sampler()
         self.proposer = proposer  # tokenmill.spec: fills drafts for the next step, or None

@@ -1,0 +1,156 @@
+"""GGUF K-quants at their own width (quant/kquant.py, kernels Q4_K/Q6_K): decoding equals gguf-py's
+dequantization exactly, the kernels multiply by exactly those weights (to the activations' rounding),
+and a Llama-shaped model of mixed K-quant tensors gives the float model's logits on the same
+dequantized weights. Blocks are random bytes (with sane float16 scales): every bit pattern a
+file can hold, without llama.cpp's quantizer (gguf-py cannot make K-quants, only read them)."""
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.quant import kquant
+
+pytestmark = pytest.mark.skipif(not kernels.dot_layout(), reason="the K-quant kernels need tokenmill's CPU kernels")
+
+BLOCK = {"Q4_K": 144, "Q6_K": 210}
+
+
+def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
+    b = rng.integers(0, 256, (rows, cols // 256, BLOCK[kind]), dtype=np.uint8)
+    scale = lambda lo, hi: np.frombuffer(rng.uniform(lo, hi, (rows, cols // 256)).astype(np.float16).tobytes(),  # noqa: E731
+                                         np.uint8).reshape(rows, cols // 256, 2)
+    if kind == "Q4_K":
+        b[..., 0:2], b[..., 2:4] = scale(1e-4, 2e-3), scale(1e-4, 2e-3)  # d, dmin
+    else:
+        b[..., 208:210] = scale(1e-4, 1e-3)
+    return b.reshape(rows, -1)
+
+
+def reference(kind: str, raw: np.ndarray, cols: int) -> torch.Tensor:
+    w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32).reshape(raw.shape[0], cols))
+
+
+@pytest.mark.parametrize("kind", kquant.KINDS)
+def test_decoding_equals_gguf_dequantize_exactly(kind):
+    raw = random_blocks(np.random.default_rng(0), 48, 768, kind)
+    assert torch.equal(kquant.dequantize_raw(kind, raw), reference(kind, raw, 768))
+
+
+@pytest.mark.parametrize("kind", kquant.KINDS)
+@pytest.mark.parametrize("n,k", [(48, 512), (40, 256)])  # 40 rows: a partial last panel
+@pytest.mark.parametrize("m", [1, 3, 7, 33])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_kernel_equals_the_dequantized_matmul(kind, n, k, m, bits):
+    rng = np.random.default_rng(n + k + m)
+    raw = random_blocks(rng, n, k, kind)
+    w = kquant.from_blocks(kind, n, k, lambda a, b: raw[a:b])
+    w.panels.act_bits = bits
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    ref = (x.double() @ reference(kind, raw, k).double().t())
+    y = kquant.matmul(x, w)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-4 if bits == 16 else 3e-2), err  # 16 bits: float32-level; 8 bits: llama.cpp's Q8 activations
+
+
+@pytest.mark.parametrize("kind", kquant.KINDS)
+def test_row_parallel_slices_add_up_to_the_whole_bit_for_bit(kind):
+    """A tensor-parallel rank's input slice (whole super-blocks) sums in float64 per segment: the
+    ranks' partials add up to one process's sum exactly."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(rng, 32, 1024, kind)
+    x = torch.from_numpy(rng.standard_normal((3, 1024)).astype(np.float32))
+    whole = kquant.from_blocks(kind, 32, 1024, lambda a, b: raw[a:b])
+    whole.panels.segment = 256
+    per = 1024 // 256 * BLOCK[kind]
+    halves = [kquant.from_blocks(kind, 32, 512, lambda a, b, h=h: raw[a:b, h * per // 2:(h + 1) * per // 2]) for h in (0, 1)]
+    for h in halves:
+        h.panels.segment = 256
+    full = kquant.matmul(x, whole, partial=True)
+    parts = kquant.matmul(x[:, :512], halves[0], partial=True) + kquant.matmul(x[:, 512:], halves[1], partial=True)
+    assert full.dtype == torch.float64 and torch.equal(full, parts)
+
+
+def _tiny_kquant_gguf(path) -> None:
+    """A 2-layer Llama of 256-wide tensors in Q4_K_M's mix: Q4_K q/k/o/gate/up, Q6_K v, down and the
+    tied embedding."""
+    rng = np.random.default_rng(0)
+    h, ff, vocab, layers = 256, 512, 320, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    for fn, v in ((w.add_context_length, 256), (w.add_embedding_length, h), (w.add_block_count, layers),
+                  (w.add_feed_forward_length, ff), (w.add_head_count, 4), (w.add_head_count_kv, 2),
+                  (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, vocab)):
+        fn(v)
+    w.add_tensor("token_embd.weight", random_blocks(rng, vocab, h, "Q6_K"), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    for i in range(layers):
+        for name, (rows, cols), kind in (("attn_q", (h, h), "Q4_K"), ("attn_k", (128, h), "Q4_K"),
+                                         ("attn_v", (128, h), "Q6_K"), ("attn_output", (h, h), "Q4_K"),
+                                         ("ffn_gate", (ff, h), "Q4_K"), ("ffn_up", (ff, h), "Q4_K"),
+                                         ("ffn_down", (h, ff), "Q6_K")):
+            w.add_tensor(f"blk.{i}.{name}.weight", random_blocks(rng, rows, cols, kind),
+                         raw_dtype=gguf.GGMLQuantizationType[kind])
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(h)).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_mixed_kquant_model_equals_the_float_model(tmp_path, bits):
+    from tokenmill.layers.linear import RowStack
+    from tokenmill.models import loader
+
+    path = tmp_path / "kq.gguf"
+    _tiny_kquant_gguf(path)
+    ref = loader.load(str(path), "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
+    kq = loader.load(str(path), "float32", torch.device("cpu"), load_tokenizer=False, activation_bits=bits)
+    layer = kq.model.model.layers[0]
+    qkv = layer.self_attn.qkv_proj.qweight
+    assert isinstance(qkv, RowStack) and [p.kind for p in qkv.parts] == ["Q4_K", "Q6_K"]  # q+k, then v
+    assert layer.mlp.gate_up_proj.qweight.kind == "Q4_K" and layer.mlp.down_proj.qweight.kind == "Q6_K"
+    assert kq.model.tied_head_q.kind == "Q6_K" and kq.model.model.embed_tokens.weight is None
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # each projection: the float one's product, to the activations' rounding
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+            pa, pb = (dict(m.model.model.layers[1].named_modules())[name] for m in (ref, kq))
+            ya, yb = pa(x), pb(x)
+            assert ((ya - yb).abs().max() / ya.abs().max()).item() < (1e-4 if bits == 16 else 3e-2)
+    ids = torch.tensor([1, 17, 300, 42, 5, 99, 250, 3])
+    pos = torch.arange(len(ids))
+    with torch.inference_mode():
+        a = ref.model.compute_logits(ref.model(ids, pos))
+        b = kq.model.compute_logits(kq.model(ids, pos))
+        # the embedding rows the compact table looks up are the float table's, exactly
+        assert torch.equal(kq.model.model.embed_tokens(ids), ref.model.model.embed_tokens(ids))
+    err = ((a - b).abs().max() / a.abs().max()).item()
+    # two layers of random weights amplify the projections' differences about a hundredfold: at 16
+    # bits (~2e-5 each) the logits stay close; 8-bit rounding (~1e-2 each) is checked per projection
+    assert bits == 8 or err < 5e-3, err
+    # a step reads every layer and the whole table (the head) once: the file's own bytes, within 10 %
+    assert kq.model.decode_weight_bytes() <= 1.1 * sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+
+
+def test_decode_stack_runs_kquants_as_the_python_layers_do(tmp_path):
+    """The native decode stack takes Q4_K, Q6_K and the stacked Q4_K/Q6_K QKV: same tokens and
+    logprobs, bit for bit, as the Python layers."""
+    from tokenmill import LLM, SamplingParams
+
+    path = tmp_path / "kq.gguf"
+    _tiny_kquant_gguf(path)
+    llm = LLM(str(path), kv_cache_memory="16MiB", enable_prefix_caching=False, skip_tokenizer_init=True)
+    model = llm.engine.runner.model
+    assert model.decode_stack is not None
+    sp = SamplingParams(max_tokens=10, temperature=0.9, seed=7, logprobs=2, ignore_eos=True)
+
+    def generate():
+        outs = llm.generate([{"prompt_token_ids": p} for p in ([5, 17, 99, 3], list(range(40, 60)))], sp)
+        return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+    native = generate()
+    model.decode_stack = None
+    assert generate() == native

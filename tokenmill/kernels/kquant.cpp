@@ -1,0 +1,225 @@
+// GGUF Q6_K at its own width: w = d sc (q - 32) with q = lo | hi << 4 in 0..63, one signed 8-bit
+// scale sc per 16 inputs and a float16 d per 256 (a super-block), exactly as the file stores them.
+// (Q4_K runs on the int4 tiles of linear.cpp with its super-block scales: KScales.)
+//
+// Layout, 16-row panels like the other dot weights (kernels/__init__.py packs it):
+//   ql  uint8 (P, K/8, 64)    the low nibbles in the int4 dot layout: byte [p, o, i*4 + j] =
+//                             lo(q[16p+i, 8o+j]) | lo(q[16p+i, 8o+4+j]) << 4
+//   qh  uint8 (P, K/32, 128)  per block of 32 inputs, the 2-bit highs: byte [p, b, i*4 + j] holds
+//                             hi(q[n, 32b + 8o + j]) at bits 2o..2o+1 for o = 0..3, and byte
+//                             [p, b, 64 + i*4 + j] the same of q[n, 32b + 8o + 4 + j]
+//   sc  int8  (P, K/16, 16)   d   float16 (P, K/256, 16)
+// 0.8203 bytes per weight: the file's own 210 bytes per 256. An octet's 6-bit weights are the
+// nibbles OR'ed with their highs shifted into bits 4-5; VPDPBUSD (VPMADDUBSW on AVX2) multiplies
+// them by the activations' integers, and sum((q - 32) xq) = q . xq - 32 sum(xq) per 16 inputs.
+#include "dot.h"
+
+namespace tokenmill {
+namespace {
+#ifdef TOKENMILL_DOT
+
+#if defined(TOKENMILL_DOT512)
+// bits 2o..2o+1 of every byte -> bits 4..5 (16-bit shifts: what crosses into the neighbour byte is masked off)
+inline __m512i highs(__m512i h, int o, __m512i mask) {
+  const __m512i v = o == 0 ? _mm512_slli_epi16(h, 4) : o == 1 ? _mm512_slli_epi16(h, 2) : o == 2 ? h : _mm512_srli_epi16(h, 2);
+  return _mm512_and_si512(v, mask);
+}
+inline v16f int8x16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MT, int NP, bool W>
+__attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
+                                            const int8_t* sc, const at::Half* d, YOut y, int nvalid_last) {
+  const int64_t nb = K / 32, bps = segment / 32, lstride = K * 8, hstride = K * 4, sstride = K, dstride = K / 16;
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+  Sum16 sum[MT][NP];
+  for (int64_t b0 = 0; b0 < nb; b0 += bps) {
+    v16f acc[MT][NP];
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
+    for (int64_t b = b0; b < b0 + bps; ++b) {
+      __m512i h0[NP], h1[NP];
+      v16f dv[NP];
+      for (int j = 0; j < NP; ++j) {
+        h0[j] = _mm512_loadu_si512(qh + j * hstride + b * 128), h1[j] = _mm512_loadu_si512(qh + j * hstride + b * 128 + 64);
+        dv[j] = load_half(d + j * dstride + (b >> 3) * kLanes);
+      }
+      for (int half = 0; half < 2; ++half) {  // a sub-block of 16 inputs: octets 2 half and 2 half + 1
+        __m512i hacc[MT][NP], lacc[MT][NP];
+        for (int r = 0; r < MT; ++r)
+          for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
+        for (int o = 2 * half; o < 2 * half + 2; ++o) {
+          __m512i lo[NP], hi[NP];
+          for (int j = 0; j < NP; ++j) {
+            const uint8_t* qj = ql + j * lstride + (b * 4 + o) * 64;
+            prefetch_ahead(qj);
+            const __m512i v = _mm512_loadu_si512(qj);
+            lo[j] = _mm512_or_si512(_mm512_and_si512(v, low), highs(h0[j], o, top));
+            hi[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), highs(h1[j], o, top));
+          }
+          for (int r = 0; r < MT; ++r) {
+            const int64_t at = r * K + b * 32 + o * 8;
+            const __m512i x0 = bcast4(x.h + at), x1 = bcast4(x.h + at + 4);
+            for (int j = 0; j < NP; ++j) hacc[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hacc[r][j], lo[j], x0), hi[j], x1);
+            if constexpr (W) {
+              const __m512i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
+              for (int j = 0; j < NP; ++j) lacc[r][j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(lacc[r][j], lo[j], l0), hi[j], l1);
+            }
+          }
+        }
+        for (int r = 0; r < MT; ++r) {
+          const __m512i bias = _mm512_set1_epi32(32 * x.qsum16[(r * nb + b) * 2 + half]);
+          const float dx = x.d[r * nb + b];
+          for (int j = 0; j < NP; ++j) {
+            const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
+            const v16f s = dv[j] * int8x16(sc + j * sstride + (2 * b + half) * kLanes);
+            acc[r][j] += v16f(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias))) * (s * dx);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < MT; ++r)
+      for (int j = 0; j < NP; ++j) sum[r][j].add(acc[r][j]);
+  }
+  for (int r = 0; r < MT; ++r)
+    for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
+}
+// 8-bit x: 4 rows x 2 panels (accumulators, unpacked weights, highs and broadcasts: 28 of 32 zmm); 16-bit: 2 x 2
+constexpr int kQ6Rows8 = 4, kQ6Rows16 = 2;
+#else
+inline __m256i highs(__m256i h, int o, __m256i mask) {
+  const __m256i v = o == 0 ? _mm256_slli_epi16(h, 4) : o == 1 ? _mm256_slli_epi16(h, 2) : o == 2 ? h : _mm256_srli_epi16(h, 2);
+  return _mm256_and_si256(v, mask);
+}
+// two octets of 6-bit weights times x's int8 into int32: VPMADDUBSW's pairs (63 x 128 x 2 each) add
+// up to 32,256 over the two, within int16; VPMADDWD by ones widens them
+#if defined(__AVXVNNI__)
+inline __m256i dot6(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, x0), hi, x1);
+}
+#else
+inline __m256i dot6(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+template <int MT, int NU, bool W>
+__attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
+                                            const int8_t* sc, const at::Half* d, YOut y, int nvalid) {
+  const int64_t nb = K / 32, bps = segment / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  for (int u0 = 0; u0 < 2; u0 += NU) {
+    Sum8 sum[MT][NU];
+    for (int64_t b0 = 0; b0 < nb; b0 += bps) {
+      __m256 acc[MT][NU];
+      for (int r = 0; r < MT; ++r)
+        for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
+      for (int64_t b = b0; b < b0 + bps; ++b) {
+        __m256i h0[NU], h1[NU];
+        __m256 dv[NU];
+        for (int u = 0; u < NU; ++u) {
+          h0[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 128 + (u0 + u) * 32));
+          h1[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 128 + 64 + (u0 + u) * 32));
+          dv[u] = load_half8(d + (b >> 3) * kLanes + (u0 + u) * 8);
+        }
+        for (int half = 0; half < 2; ++half) {
+          __m256i hacc[MT][NU], lacc[MT][NU];
+          for (int r = 0; r < MT; ++r)
+            for (int u = 0; u < NU; ++u) hacc[r][u] = lacc[r][u] = _mm256_setzero_si256();
+          for (int o = 2 * half; o < 2 * half + 2; ++o) {
+            const uint8_t* qo = ql + (b * 4 + o) * 64;
+            if (u0 == 0) prefetch_ahead(qo);
+            __m256i lo[NU], hi[NU];
+            for (int u = 0; u < NU; ++u) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + (u0 + u) * 32));
+              lo[u] = _mm256_or_si256(_mm256_and_si256(v, low), highs(h0[u], o, top));
+              hi[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), highs(h1[u], o, top));
+            }
+            for (int r = 0; r < MT; ++r) {
+              const int64_t at = r * K + b * 32 + o * 8;
+              const __m256i x0 = bcast4(x.h + at), x1 = bcast4(x.h + at + 4);
+              for (int u = 0; u < NU; ++u) hacc[r][u] = dot6(hacc[r][u], lo[u], x0, hi[u], x1);
+              if constexpr (W) {
+                const __m256i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
+                for (int u = 0; u < NU; ++u) lacc[r][u] = dot6(lacc[r][u], lo[u], l0, hi[u], l1);
+              }
+            }
+          }
+          for (int r = 0; r < MT; ++r) {
+            const __m256i bias = _mm256_set1_epi32(32 * x.qsum16[(r * nb + b) * 2 + half]);
+            const __m256 dx = _mm256_set1_ps(x.d[r * nb + b]);
+            for (int u = 0; u < NU; ++u) {
+              const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(hacc[r][u], 8), lacc[r][u]) : hacc[r][u];
+              const __m256 s = _mm256_mul_ps(dv[u], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                  load8(sc + (2 * b + half) * kLanes + (u0 + u) * 8))));
+              acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), _mm256_mul_ps(s, dx), acc[r][u]);
+            }
+          }
+        }
+      }
+      for (int r = 0; r < MT; ++r)
+        for (int u = 0; u < NU; ++u) sum[r][u].add(acc[r][u]);
+    }
+    for (int r = 0; r < MT; ++r)
+      for (int u = 0; u < NU; ++u) sum[r][u].put(y.at(r, 0), (u0 + u) * 8, nvalid - (u0 + u) * 8);
+  }
+}
+// 16 ymm: 3 rows x 1 half at 8 bits, 2 at 16
+constexpr int kQ6Rows8 = 3, kQ6Rows16 = 2;
+#endif
+
+DOT_TILE_ADAPTER(Q6KDot16Tile, q6k_dot_tile<MT, NP, true>)
+DOT_TILE_ADAPTER(Q6KDot8Tile, q6k_dot_tile<MT, NP, false>)
+
+}  // namespace
+
+at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
+                          const at::Tensor& d, int64_t N, int64_t bits, int64_t segment, bool partial) {
+  check_bits(bits);
+  TORCH_CHECK(ql.dim() == 3 && ql.scalar_type() == at::kByte && ql.size(2) == 64 && ql.is_contiguous(),
+              "Q6_K low nibbles must be uint8 (P, K/8, 64)");
+  const int64_t P = ql.size(0), K = ql.size(1) * 8;
+  TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
+  TORCH_CHECK(qh.sizes() == at::IntArrayRef({P, K / 32, 128}) && qh.scalar_type() == at::kByte && qh.is_contiguous(),
+              "Q6_K highs must be uint8 (P, K/32, 128)");
+  TORCH_CHECK(sc.sizes() == at::IntArrayRef({P, K / 16, 16}) && sc.scalar_type() == at::kChar && sc.is_contiguous(),
+              "Q6_K scales must be int8 (P, K/16, 16)");
+  TORCH_CHECK(d.sizes() == at::IntArrayRef({P, K / 256, 16}) && d.scalar_type() == at::kHalf && d.is_contiguous(),
+              "Q6_K d must be float16 (P, K/256, 16)");
+  check_n(N, P);
+  check_x(x, K);
+  const int64_t M = x.size(0);
+  segment = check_segment(segment, K, 256);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kHalves, /*sums16=*/true);
+  at::Tensor y = output(x, N, partial);
+  const uint8_t *qlp = ql.data_ptr<uint8_t>(), *qhp = qh.data_ptr<uint8_t>();
+  const int8_t* scp = sc.data_ptr<int8_t>();
+  const at::Half* dp = d.data_ptr<at::Half>();
+  const int tile = bits == 16 ? kQ6Rows16 : kQ6Rows8;
+  for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
+    const XRows xr = rows_at(xq, r, K, 0);
+    const YOut yt = out_at(y, r, p * kLanes);
+    const uint8_t *qlt = qlp + p * K * 8, *qht = qhp + p * K * 4;
+    const int8_t* sct = scp + p * K;
+    const at::Half* dt = dp + p * (K / 16);
+    if (bits == 16) dispatch_dot<Q6KDot16Tile>(rows, np, xr, K, segment, qlt, qht, sct, dt, yt, nvalid);
+    else dispatch_dot<Q6KDot8Tile>(rows, np, xr, K, segment, qlt, qht, sct, dt, yt, nvalid);
+  });
+  return y;
+}
+#else
+}  // namespace
+#endif
+
+}  // namespace tokenmill
+
+#ifdef TOKENMILL_DOT
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def("q6k_linear_dot(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, int N, int bits, int segment=0, "
+        "bool partial=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("q6k_linear_dot", &tokenmill::q6k_linear_dot); }
+#endif
