@@ -16,6 +16,32 @@ pytestmark = pytest.mark.skipif(not kernels.dot_layout(), reason="the K-quant ke
 BLOCK = {"Q4_K": 144, "Q6_K": 210}
 
 
+def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
+    """The float32 (N, K) weights a K-quant's panels hold, read back from the panel layouts
+    (kernels/__init__.py, kquant.cpp) and combined as gguf-py combines them."""
+    p = w.panels
+    n, k = w.out_features, w.in_features
+
+    def nibbles(t: torch.Tensor) -> torch.Tensor:  # (P, K/8, 64) int4 dot layout -> (N, K)
+        b = t.view(-1, k // 8, 16, 4).permute(0, 2, 1, 3)  # (P, 16 rows, octet, j)
+        return torch.stack([b & 15, b >> 4], dim=3).reshape(-1, k)[:n]  # octet: j low, then 4 + j high
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # (P, G, 16) -> (N, G)
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+    if w.kind == "Q4_K":
+        q = nibbles(p.q).float()
+        sc, mn = rows(p.sm[..., :16]).float(), rows(p.sm[..., 16:]).float()
+        d, negmin = rows(p.dd[..., :16]).float(), rows(p.dd[..., 16:]).float()
+        scale = (d.repeat_interleave(8, dim=1) * sc).repeat_interleave(32, dim=1)
+        return q * scale + (negmin.repeat_interleave(8, dim=1) * mn).repeat_interleave(32, dim=1)
+    lo = nibbles(p.ql)
+    h = p.qh.view(-1, k // 32, 2, 16, 4).permute(0, 3, 1, 4, 2)  # (P, 16 rows, block, j, half)
+    hi = torch.stack([(h >> (2 * o)) & 3 for o in range(4)], dim=3)  # (P, 16, block, octet, j, half)
+    hi = hi.permute(0, 1, 2, 3, 5, 4).reshape(-1, k)[:n]  # input 32 block + 8 octet + 4 half + j
+    scale = (rows(p.d).float().repeat_interleave(16, dim=1) * rows(p.sc).float()).repeat_interleave(16, dim=1)
+    return scale * ((lo | hi << 4).float() - 32)
+
+
 def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
     b = rng.integers(0, 256, (rows, cols // 256, BLOCK[kind]), dtype=np.uint8)
     scale = lambda lo, hi: np.frombuffer(rng.uniform(lo, hi, (rows, cols // 256)).astype(np.float16).tobytes(),  # noqa: E731
@@ -33,9 +59,11 @@ def reference(kind: str, raw: np.ndarray, cols: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", kquant.KINDS)
-def test_decoding_equals_gguf_dequantize_exactly(kind):
-    raw = random_blocks(np.random.default_rng(0), 48, 768, kind)
-    assert torch.equal(kquant.dequantize_raw(kind, raw), reference(kind, raw, 768))
+@pytest.mark.parametrize("rows", [48, 40])  # 40: a partial last panel
+def test_transcoded_panels_hold_exactly_the_file_weights(kind, rows):
+    raw = random_blocks(np.random.default_rng(rows), rows, 768, kind)
+    w = kquant.from_blocks(kind, rows, 768, lambda a, b: raw[a:b])
+    assert torch.equal(unpack_panels(w), reference(kind, raw, 768))
 
 
 @pytest.mark.parametrize("kind", kquant.KINDS)

@@ -202,39 +202,6 @@ class Q6KPanels:
     segment: int = 0
 
 
-def _dot_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """(Np, K) values 0..15, Np a multiple of 16 -> the int4 dot layout (P, K/8, 64)."""
-    k = q.shape[1]
-    octets = q.reshape(-1, LANES, k // 8, 2, 4)                               # (P, 16, K/8, half, 4)
-    return (octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)).transpose(1, 2).reshape(-1, k // 8, 4 * LANES)
-
-
-def _per_panel(t: torch.Tensor) -> torch.Tensor:
-    """(Np, G) -> (P, G, 16)."""
-    return t.reshape(-1, LANES, t.shape[1]).transpose(1, 2)
-
-
-def pack_q4k(q: torch.Tensor, sc: torch.Tensor, mn: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple:
-    """One run of rows (a multiple of 16, but for the last): q (N, K) 0..15, sc and mn (N, K/32)
-    0..63, d and dmin (N, K/256) float16 -> the Q4KPanels tensors (q, sm, dd) of those rows."""
-    q, sc, mn, d, dmin = (_pad_rows(t) for t in (q.to(torch.uint8), sc.to(torch.uint8), mn.to(torch.uint8),
-                                                  d.half(), dmin.half()))
-    sm = torch.stack([_per_panel(sc), _per_panel(mn)], dim=2).flatten(2)       # (P, K/32, 32)
-    dd = torch.stack([_per_panel(d), _per_panel(-dmin)], dim=2).flatten(2)     # (P, K/256, 32)
-    return _dot_nibbles(q), sm, dd
-
-
-def pack_q6k(q: torch.Tensor, sc: torch.Tensor, d: torch.Tensor) -> tuple:
-    """As pack_q4k for Q6_K: q (N, K) 0..63, sc (N, K/16) int8, d (N, K/256) -> (ql, qh, sc, d)."""
-    q, sc, d = _pad_rows(q.to(torch.uint8)), _pad_rows(sc.to(torch.int8)), _pad_rows(d.half())
-    k = q.shape[1]
-    hi = (q >> 4).reshape(-1, LANES, k // 32, 4, 2, 4)                         # (P, 16, K/32, o, half, j)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1, 1)
-    packed = (hi << shifts).sum(dim=3, dtype=torch.uint8)                       # (P, 16, K/32, half, j)
-    qh = packed.permute(0, 2, 3, 1, 4).reshape(-1, k // 32, 2 * 4 * LANES)      # (P, K/32, 128)
-    return _dot_nibbles(q & 15), qh, _per_panel(sc), _per_panel(d)
-
-
 def unpack_int8(w: Int8Panels) -> torch.Tensor:
     """The int8 (N, K) integers the panels hold (either layout)."""
     if w.dot:

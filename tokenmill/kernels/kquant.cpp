@@ -213,13 +213,110 @@ at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::T
 }  // namespace
 #endif
 
-}  // namespace tokenmill
-
-#ifdef TOKENMILL_DOT
-TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("q6k_linear_dot(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, int N, int bits, int segment=0, "
-        "bool partial=False) -> Tensor");
+// ---------------------------------------------------------------------------- transcoding
+// raw GGUF rows (N, super-blocks x bytes) -> the panels above, bits moved and nothing rounded (the
+// loader's inner loop: in numpy and torch it was most of a 3B model's load time).
+namespace {
+// The octets of 16 rows' 256 values q[16][256] (0..15) into the int4 dot layout at out (32 octets x 64 bytes).
+void put_nibbles(const uint8_t (*q)[256], uint8_t* out) {
+  for (int o = 0; o < 32; ++o)
+    for (int i = 0; i < 16; ++i)
+      for (int j = 0; j < 4; ++j) out[o * 64 + i * 4 + j] = (q[i][8 * o + j] & 15) | (q[i][8 * o + 4 + j] & 15) << 4;
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("q6k_linear_dot", &tokenmill::q6k_linear_dot); }
+int64_t check_raw(const at::Tensor& raw, int64_t block_bytes) {
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.size(1) % block_bytes == 0,
+              "raw rows must be contiguous uint8 (N, super-blocks x ", block_bytes, ")");
+  return raw.size(1) / block_bytes;
+}
+}  // namespace
+
+std::vector<at::Tensor> q4k_pack(const at::Tensor& raw) {
+  const int64_t SB = check_raw(raw, 144), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1);
+  at::Tensor q = at::zeros({P, K / 8, 64}, raw.options()), sm = at::zeros({P, K / 32, 32}, raw.options());
+  at::Tensor dd = at::zeros({P, SB, 32}, raw.options().dtype(at::kHalf));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>();
+  uint16_t* ddp = reinterpret_cast<uint16_t*>(dd.data_ptr<at::Half>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    uint8_t v[16][256];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t s = 0; s < SB; ++s) {
+        std::memset(v, 0, sizeof(v));
+        for (int i = 0; i < 16 && p * 16 + i < N; ++i) {
+          const uint8_t* b = src + (p * 16 + i) * rb + s * 144;
+          uint16_t d, dmin;
+          std::memcpy(&d, b, 2), std::memcpy(&dmin, b + 2, 2);
+          ddp[(p * SB + s) * 32 + i] = d, ddp[(p * SB + s) * 32 + 16 + i] = dmin ^ 0x8000;  // -dmin, exactly
+          const uint8_t* sc = b + 4;  // 6-bit scale and min of group g (gguf-py's Q4_K.get_scale_min)
+          for (int g = 0; g < 8; ++g) {
+            const uint8_t scale = g < 4 ? sc[g] & 63 : (sc[g + 4] & 15) | ((sc[g - 4] >> 2) & 48);
+            const uint8_t mn = g < 4 ? sc[g + 4] & 63 : (sc[g + 4] >> 4) | ((sc[g] >> 2) & 48);
+            smp[((p * K / 32) + s * 8 + g) * 32 + i] = scale, smp[((p * K / 32) + s * 8 + g) * 32 + 16 + i] = mn;
+          }
+          for (int w = 0; w < 256; ++w) v[i][w] = (b[16 + 32 * (w / 64) + w % 32] >> (4 * ((w / 32) % 2))) & 15;
+        }
+        put_nibbles(v, qp + (p * K / 8 + s * 32) * 64);
+      }
+  });
+  return {q, sm, dd};
+}
+
+std::vector<at::Tensor> q6k_pack(const at::Tensor& raw) {
+  const int64_t SB = check_raw(raw, 210), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1);
+  at::Tensor ql = at::zeros({P, K / 8, 64}, raw.options()), qh = at::zeros({P, K / 32, 128}, raw.options());
+  at::Tensor sc = at::zeros({P, K / 16, 16}, raw.options().dtype(at::kChar));
+  at::Tensor d = at::zeros({P, SB, 16}, raw.options().dtype(at::kHalf));
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t *qlp = ql.data_ptr<uint8_t>(), *qhp = qh.data_ptr<uint8_t>();
+  int8_t* scp = sc.data_ptr<int8_t>();
+  uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    uint8_t v[16][256];
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t s = 0; s < SB; ++s) {
+        std::memset(v, 0, sizeof(v));
+        for (int i = 0; i < 16 && p * 16 + i < N; ++i) {
+          const uint8_t* b = src + (p * 16 + i) * rb + s * 210;
+          std::memcpy(&dp[(p * SB + s) * 16 + i], b + 208, 2);
+          for (int g = 0; g < 16; ++g) scp[((p * K / 16) + s * 16 + g) * 16 + i] = static_cast<int8_t>(b[192 + g]);
+          for (int w = 0; w < 256; ++w) {  // gguf-py's Q6_K: halves of 128, low nibbles of 64, highs of 32
+            const int h = w / 128, r = w % 128;
+            const int lo = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 15, hi = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            v[i][w] = static_cast<uint8_t>(lo | hi << 4);
+          }
+        }
+        put_nibbles(v, qlp + (p * K / 8 + s * 32) * 64);
+        for (int blk = 0; blk < 8; ++blk) {  // highs: bits 2o..2o+1 of byte [half*64 + i*4 + j] = hi(32 blk + 8o + 4 half + j)
+          uint8_t* out = qhp + ((p * K / 32) + s * 8 + blk) * 128;
+          for (int half = 0; half < 2; ++half)
+            for (int i = 0; i < 16; ++i)
+              for (int j = 0; j < 4; ++j) {
+                uint8_t byte = 0;
+                for (int o = 0; o < 4; ++o) byte |= ((v[i][32 * blk + 8 * o + 4 * half + j] >> 4) & 3) << (2 * o);
+                out[half * 64 + i * 4 + j] = byte;
+              }
+        }
+      }
+  });
+  return {ql, qh, sc, d};
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+#ifdef TOKENMILL_DOT
+  m.def("q6k_linear_dot(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, int N, int bits, int segment=0, "
+        "bool partial=False) -> Tensor");
 #endif
+  m.def("q4k_pack(Tensor raw) -> Tensor[]");
+  m.def("q6k_pack(Tensor raw) -> Tensor[]");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+#ifdef TOKENMILL_DOT
+  m.impl("q6k_linear_dot", &tokenmill::q6k_linear_dot);
+#endif
+  m.impl("q4k_pack", &tokenmill::q4k_pack);
+  m.impl("q6k_pack", &tokenmill::q6k_pack);
+}

@@ -14,6 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from tokenmill.models.gguf_header import read_header
 from tokenmill.quant.gguf_tensor import FLOAT_TYPES, open_tensor, read_float
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -49,27 +50,19 @@ def is_gguf(path: str) -> bool:
 
 class GGUFFile:
     def __init__(self, path: str) -> None:
-        import gguf
-
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(path)
-        except Exception as e:  # the reader raises anything from struct errors to numpy ValueErrors
+            _, self.meta, infos = read_header(path)
+        except Exception as e:  # noqa: BLE001 - struct errors, bad UTF-8, impossible sizes: a broken file
             raise ValueError(f"{path} is not a readable GGUF file (corrupt or truncated?): "
                              f"{type(e).__name__}: {e}") from None
-        self.meta: dict = {}
-        for key, field in self.reader.fields.items():
-            try:
-                self.meta[key] = field.contents()
-            except Exception:  # noqa: BLE001 - an unreadable optional field is skipped, not fatal
-                continue
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {t.name: t for t in infos}
         self.layer_names = dict(_LAYER_NAMES)
         if self.architecture in ("gemma2", "gemma3"):
             self.layer_names.update(_SANDWICH_NAMES)
         if self.architecture == "phi3" and not any(n.endswith("ffn_gate.weight") for n in self.tensors):
             self.layer_names["ffn_up"] = "mlp.gate_up_proj"  # gate and up fused, gate first
-        bad = sorted({t.tensor_type.name for t in self.reader.tensors} - SUPPORTED_TYPES)
+        bad = sorted({t.tensor_type.name for t in infos} - SUPPORTED_TYPES)
         if bad:
             raise ValueError(f"{path} uses GGUF tensor types {bad}, which tokenmill cannot load; "
                              f"supported: {sorted(SUPPORTED_TYPES)}. Re-quantize the model to one of those.")
@@ -109,7 +102,7 @@ class GGUFFile:
         return self.meta.get("general.architecture", "?")
 
     def vocab_size(self) -> int:
-        return self.tensors["token_embd.weight"].shape[-1].item() if "token_embd.weight" in self.tensors else 0
+        return int(self.tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in self.tensors else 0
 
     def hf_weights(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, object, dict]]:
         """Yield (hf_name, tensor, extras) for every tensor in the file: float types as float32

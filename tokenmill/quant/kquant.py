@@ -1,5 +1,6 @@
-"""GGUF K-quants kept at their own bit width: Q4_K and Q6_K blocks decoded into tokenmill's 16-row
-panels without rounding anything (kernels: Q4KPanels, Q6KPanels), multiplied by the dot kernels.
+"""GGUF K-quants kept at their own bit width: Q4_K and Q6_K blocks transcoded into tokenmill's 16-row
+panels without rounding anything (kernels: Q4KPanels, Q6KPanels; kquant.cpp q4k_pack, q6k_pack),
+multiplied by the dot kernels.
 
 Why a transcoding and not the file's bytes as they are: a GGUF row is a run of 256-weight
 super-blocks, one output at a time; the kernels want 16 outputs side by side per load, each input's
@@ -34,33 +35,6 @@ class KQuantWeight:
     panels: kernels.Q4KPanels | kernels.Q6KPanels
 
 
-def decode_q4k(raw: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """uint8 (N, K/256 * 144) -> q (N, K) 0..15, sc, mn (N, K/32) 0..63, d, dmin (N, K/256) float16."""
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, 144)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0]
-    dmin = b[..., 2:4].copy().view(np.float16)[..., 0]
-    s = b[..., 4:16]                                                   # (N, SB, 12)
-    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
-    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 2) & 48)], axis=-1)   # (N, SB, 8)
-    mn = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 2) & 48)], axis=-1)
-    qs = b[..., 16:].reshape(n, -1, 4, 1, 32)                         # (N, SB, chunk, 1, 32)
-    q = (qs >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)) & 15  # (N, SB, chunk, nibble, 32)
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1) for a in (q, sc, mn, d, dmin))
-
-
-def decode_q6k(raw: np.ndarray) -> tuple[torch.Tensor, ...]:
-    """uint8 (N, K/256 * 210) -> q (N, K) 0..63, sc (N, K/16) int8, d (N, K/256) float16."""
-    n = raw.shape[0]
-    b = raw.reshape(n, -1, 210)
-    ql = b[..., :128].reshape(n, -1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
-    qh = b[..., 128:192].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
-    q = (ql & 15).reshape(n, -1, 2, 128) | ((qh & 3).reshape(n, -1, 2, 128) << 4)
-    sc = b[..., 192:208].copy().view(np.int8)
-    d = b[..., 208:210].copy().view(np.float16)[..., 0]
-    return tuple(torch.from_numpy(np.ascontiguousarray(a)).reshape(n, -1) for a in (q, sc, d))
-
-
 def supported(kind: str, rows: int, cols: int) -> bool:
     """Whether a tensor of this type and shape runs on the K-quant kernels here."""
     return kind in KINDS and cols % 256 == 0 and rows % kernels.LANES == 0 and kernels.dot_layout()
@@ -72,15 +46,15 @@ def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
     p, lanes = (rows + kernels.LANES - 1) // kernels.LANES, kernels.LANES
     if kind == "Q4_K":
         shapes = [((p, cols // 8, 64), torch.uint8), ((p, cols // 32, 32), torch.uint8), ((p, cols // 256, 32), torch.half)]
-        decode, pack = decode_q4k, kernels.pack_q4k
+        pack = torch.ops.tokenmill.q4k_pack
     else:
         shapes = [((p, cols // 8, 64), torch.uint8), ((p, cols // 32, 128), torch.uint8), ((p, cols // 16, 16), torch.int8),
                   ((p, cols // 256, 16), torch.half)]
-        decode, pack = decode_q6k, kernels.pack_q6k
+        pack = torch.ops.tokenmill.q6k_pack
     out = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
     for r0 in range(0, rows, PACK_ROWS):
         r1 = min(r0 + PACK_ROWS, rows)
-        for dst, src in zip(out, pack(*decode(read(r0, r1)))):
+        for dst, src in zip(out, pack(torch.from_numpy(np.ascontiguousarray(read(r0, r1))))):
             dst[r0 // lanes:(r1 + lanes - 1) // lanes] = src
     panels = kernels.Q4KPanels(*out, rows) if kind == "Q4_K" else kernels.Q6KPanels(*out, rows)
     return KQuantWeight(kind, rows, cols, panels)
@@ -101,16 +75,3 @@ def matmul(x: torch.Tensor, w: KQuantWeight, partial: bool = False) -> torch.Ten
     fn = kernels.q4k_linear if w.kind == "Q4_K" else kernels.q6k_linear
     y = fn(x.float(), w.panels, partial)
     return y if partial else y.to(x.dtype)
-
-
-def dequantize_raw(kind: str, raw: np.ndarray) -> torch.Tensor:
-    """The float32 weights of raw rows, from the decoded integers (what the kernels multiply)."""
-    if kind == "Q4_K":
-        q, sc, mn, d, dmin = decode_q4k(raw)
-        n, k = q.shape
-        s = (d.float().repeat_interleave(8, dim=1) * sc.float()).repeat_interleave(32, dim=1)
-        m = (dmin.float().repeat_interleave(8, dim=1) * mn.float()).repeat_interleave(32, dim=1)
-        return q.float() * s - m
-    q, sc, d = decode_q6k(raw)
-    s = (d.float().repeat_interleave(16, dim=1) * sc.float()).repeat_interleave(16, dim=1)
-    return s * (q.float() - 32)
