@@ -126,17 +126,19 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 PACK_ROWS = 2048  # rows packed per step: a layer's conversion holds a few bytes per weight of this many rows
 
 
-def _panels(n: int, shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:
+def _panels(n: int, shape: tuple[int, ...], dtype: torch.dtype, fill, alloc=None) -> torch.Tensor:
     """(P, *shape) panels of n rows, filled PACK_ROWS rows at a time: fill(r0, r1) -> their panels.
-    Packing a whole 128k-row output head at once took ~5 bytes per weight of intermediates."""
-    out = torch.empty((n + LANES - 1) // LANES, *shape, dtype=dtype)
+    Packing a whole 128k-row output head at once took ~5 bytes per weight of intermediates.
+    `alloc(shape, dtype)`: where the panels live (the caller's huge pages), else torch.empty."""
+    full = ((n + LANES - 1) // LANES, *shape)
+    out = alloc(full, dtype) if alloc is not None else torch.empty(full, dtype=dtype)
     for r0 in range(0, n, PACK_ROWS):
         r1 = min(r0 + PACK_ROWS, n)
         out[r0 // LANES:(r1 + LANES - 1) // LANES] = fill(r0, r1)
     return out
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> Int4Panels:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, alloc=None) -> Int4Panels:
     """q: (N, K) integers 0..15; scale, minimum: (N, G) per group of K/G inputs."""
     n, k = q.shape
     g = scale.shape[1]
@@ -152,16 +154,16 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> In
             return packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES)              # (P, K/8, 64)
         # float16 scales and minimums: what GGUF, AWQ and GPTQ store; float32 would add a third to
         # the bytes a batch-1 decode streams per weight (4-bit weight + 2 x 32 bits per 32 weights)
-        return Int4Panels(_panels(n, (k // 8, 4 * LANES), torch.uint8, dot), per_panel(scale).half(),
+        return Int4Panels(_panels(n, (k // 8, 4 * LANES), torch.uint8, dot, alloc), per_panel(scale).half(),
                           per_panel(minimum).half(), n, dot=True)
 
     def pairs(r0: int, r1: int) -> torch.Tensor:
         qp = _pad_rows(q[r0:r1].to(torch.uint8))
         return (qp[:, 0::2] | (qp[:, 1::2] << 4)).reshape(-1, LANES, k // 2).transpose(1, 2)  # (P, K/2, 16)
-    return Int4Panels(_panels(n, (k // 2, LANES), torch.uint8, pairs), per_panel(scale), per_panel(minimum), n)
+    return Int4Panels(_panels(n, (k // 2, LANES), torch.uint8, pairs, alloc), per_panel(scale), per_panel(minimum), n)
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, alloc=None) -> Int8Panels:
     """q: (N, K) int8; scale: (N,)."""
     n, k = q.shape
     if k % 2:
@@ -171,11 +173,11 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> Int8Panels:
         def quads(r0: int, r1: int) -> torch.Tensor:
             u = (_pad_rows(q[r0:r1].to(torch.int16)) + 128).to(torch.uint8)          # (Np, K) unsigned
             return u.reshape(-1, LANES, k // 4, 4).transpose(1, 2).reshape(-1, k // 4, 4 * LANES)  # (P, K/4, 64)
-        return Int8Panels(_panels(n, (k // 4, 4 * LANES), torch.uint8, quads), s, n, dot=True)
+        return Int8Panels(_panels(n, (k // 4, 4 * LANES), torch.uint8, quads, alloc), s, n, dot=True)
 
     def cols(r0: int, r1: int) -> torch.Tensor:
         return _pad_rows(q[r0:r1].to(torch.int8)).reshape(-1, LANES, k).transpose(1, 2)  # (P, K, 16)
-    return Int8Panels(_panels(n, (k, LANES), torch.int8, cols), s, n)
+    return Int8Panels(_panels(n, (k, LANES), torch.int8, cols, alloc), s, n)
 
 
 @dataclass

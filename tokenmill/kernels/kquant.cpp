@@ -215,91 +215,122 @@ at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::T
 
 // ---------------------------------------------------------------------------- transcoding
 // raw GGUF rows (N, super-blocks x bytes) -> the panels above, bits moved and nothing rounded (the
-// loader's inner loop: in numpy and torch it was most of a 3B model's load time).
+// loader's inner loop). Four outputs (j = 0..3) of a panel row at a time, as one 32-bit word:
+// output byte [octet o, row i, j] = value(8o + j) | value(8o + 4 + j) << 4, and in both formats the
+// 4 values an octet's word needs sit in 4 consecutive source bytes, under one shift.
 namespace {
-// The octets of 16 rows' 256 values q[16][256] (0..15) into the int4 dot layout at out (32 octets x 64 bytes).
-void put_nibbles(const uint8_t (*q)[256], uint8_t* out) {
-  for (int o = 0; o < 32; ++o)
-    for (int i = 0; i < 16; ++i)
-      for (int j = 0; j < 4; ++j) out[o * 64 + i * 4 + j] = (q[i][8 * o + j] & 15) | (q[i][8 * o + 4 + j] & 15) << 4;
+inline uint32_t load32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
+inline void store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+constexpr uint32_t kNib = 0x0F0F0F0Fu, kTwo = 0x03030303u;
 
 int64_t check_raw(const at::Tensor& raw, int64_t block_bytes) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.size(1) % block_bytes == 0,
               "raw rows must be contiguous uint8 (N, super-blocks x ", block_bytes, ")");
   return raw.size(1) / block_bytes;
 }
+
+void check_out(const at::Tensor& t, int64_t P, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) >= P && t.scalar_type() == dtype && t.is_contiguous(), what, " has the wrong shape");
+}
 }  // namespace
 
-std::vector<at::Tensor> q4k_pack(const at::Tensor& raw) {
-  const int64_t SB = check_raw(raw, 144), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1);
-  at::Tensor q = at::zeros({P, K / 8, 64}, raw.options()), sm = at::zeros({P, K / 32, 32}, raw.options());
-  at::Tensor dd = at::zeros({P, SB, 32}, raw.options().dtype(at::kHalf));
+// Rows [row0, row0 + raw.size(0)) of the weight (row0 a multiple of 16) into panels from row0 / 16 of
+// the full-size outputs; rows past the raw rows are zeros (a partial last panel).
+void q4k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd, int64_t row0) {
+  const int64_t SB = check_raw(raw, 144), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1), p0 = row0 / 16;
+  TORCH_CHECK(row0 % 16 == 0, "row0 must start a panel");
+  check_out(q, p0 + P, at::kByte, "q"), check_out(sm, p0 + P, at::kByte, "sm"), check_out(dd, p0 + P, at::kHalf, "dd");
+  TORCH_CHECK(q.size(1) == K / 8 && sm.size(1) == K / 32 && dd.size(1) == SB, "outputs do not match ", K, " inputs");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>();
   uint16_t* ddp = reinterpret_cast<uint16_t*>(dd.data_ptr<at::Half>());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    uint8_t v[16][256];
-    for (int64_t p = p0; p < p1; ++p)
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t lp = a; lp < b; ++lp)
       for (int64_t s = 0; s < SB; ++s) {
-        std::memset(v, 0, sizeof(v));
-        for (int i = 0; i < 16 && p * 16 + i < N; ++i) {
-          const uint8_t* b = src + (p * 16 + i) * rb + s * 144;
-          uint16_t d, dmin;
-          std::memcpy(&d, b, 2), std::memcpy(&dmin, b + 2, 2);
-          ddp[(p * SB + s) * 32 + i] = d, ddp[(p * SB + s) * 32 + 16 + i] = dmin ^ 0x8000;  // -dmin, exactly
-          const uint8_t* sc = b + 4;  // 6-bit scale and min of group g (gguf-py's Q4_K.get_scale_min)
-          for (int g = 0; g < 8; ++g) {
-            const uint8_t scale = g < 4 ? sc[g] & 63 : (sc[g + 4] & 15) | ((sc[g - 4] >> 2) & 48);
-            const uint8_t mn = g < 4 ? sc[g + 4] & 63 : (sc[g + 4] >> 4) | ((sc[g] >> 2) & 48);
-            smp[((p * K / 32) + s * 8 + g) * 32 + i] = scale, smp[((p * K / 32) + s * 8 + g) * 32 + 16 + i] = mn;
+        const int64_t p = p0 + lp;
+        uint16_t* dpan = ddp + (p * SB + s) * 32;
+        uint8_t* span = smp + (p * K / 32 + s * 8) * 32;
+        uint8_t* qpan = qp + (p * K / 8 + s * 32) * 64;
+        for (int i = 0; i < 16; ++i) {
+          if (lp * 16 + i >= N) {  // padding rows: zeros
+            dpan[i] = dpan[16 + i] = 0;
+            for (int g = 0; g < 8; ++g) span[g * 32 + i] = span[g * 32 + 16 + i] = 0;
+            for (int o = 0; o < 32; ++o) store32(qpan + o * 64 + i * 4, 0);
+            continue;
           }
-          for (int w = 0; w < 256; ++w) v[i][w] = (b[16 + 32 * (w / 64) + w % 32] >> (4 * ((w / 32) % 2))) & 15;
+          const uint8_t* blk = src + (lp * 16 + i) * rb + s * 144;
+          uint16_t d, dmin;
+          std::memcpy(&d, blk, 2), std::memcpy(&dmin, blk + 2, 2);
+          dpan[i] = d, dpan[16 + i] = dmin ^ 0x8000;  // -dmin, exactly
+          const uint8_t* sc = blk + 4;  // 6-bit scale and min of group g (gguf-py's Q4_K.get_scale_min)
+          for (int g = 0; g < 8; ++g) {
+            span[g * 32 + i] = g < 4 ? sc[g] & 63 : (sc[g + 4] & 15) | ((sc[g - 4] >> 2) & 48);
+            span[g * 32 + 16 + i] = g < 4 ? sc[g + 4] & 63 : (sc[g + 4] >> 4) | ((sc[g] >> 2) & 48);
+          }
+          // weight 64c + 32h + j is nibble h of byte 16 + 32c + j: octet o -> c = o / 8, h = o % 8 / 4
+          for (int o = 0; o < 32; ++o) {
+            const uint8_t* at = blk + 16 + 32 * (o / 8) + 8 * (o % 4);
+            const int sh = 4 * (o % 8 / 4);
+            store32(qpan + o * 64 + i * 4, ((load32(at) >> sh) & kNib) | ((load32(at + 4) >> sh) & kNib) << 4);
+          }
         }
-        put_nibbles(v, qp + (p * K / 8 + s * 32) * 64);
       }
   });
-  return {q, sm, dd};
 }
 
-std::vector<at::Tensor> q6k_pack(const at::Tensor& raw) {
-  const int64_t SB = check_raw(raw, 210), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1);
-  at::Tensor ql = at::zeros({P, K / 8, 64}, raw.options()), qh = at::zeros({P, K / 32, 128}, raw.options());
-  at::Tensor sc = at::zeros({P, K / 16, 16}, raw.options().dtype(at::kChar));
-  at::Tensor d = at::zeros({P, SB, 16}, raw.options().dtype(at::kHalf));
+void q6k_pack(const at::Tensor& raw, at::Tensor ql, at::Tensor qh, at::Tensor sc, at::Tensor d, int64_t row0) {
+  const int64_t SB = check_raw(raw, 210), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1), p0 = row0 / 16;
+  TORCH_CHECK(row0 % 16 == 0, "row0 must start a panel");
+  check_out(ql, p0 + P, at::kByte, "ql"), check_out(qh, p0 + P, at::kByte, "qh"), check_out(sc, p0 + P, at::kChar, "sc");
+  check_out(d, p0 + P, at::kHalf, "d");
+  TORCH_CHECK(ql.size(1) == K / 8 && qh.size(1) == K / 32 && sc.size(1) == K / 16 && d.size(1) == SB,
+              "outputs do not match ", K, " inputs");
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t *qlp = ql.data_ptr<uint8_t>(), *qhp = qh.data_ptr<uint8_t>();
   int8_t* scp = sc.data_ptr<int8_t>();
   uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    uint8_t v[16][256];
-    for (int64_t p = p0; p < p1; ++p)
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t lp = a; lp < b; ++lp)
       for (int64_t s = 0; s < SB; ++s) {
-        std::memset(v, 0, sizeof(v));
-        for (int i = 0; i < 16 && p * 16 + i < N; ++i) {
-          const uint8_t* b = src + (p * 16 + i) * rb + s * 210;
-          std::memcpy(&dp[(p * SB + s) * 16 + i], b + 208, 2);
-          for (int g = 0; g < 16; ++g) scp[((p * K / 16) + s * 16 + g) * 16 + i] = static_cast<int8_t>(b[192 + g]);
-          for (int w = 0; w < 256; ++w) {  // gguf-py's Q6_K: halves of 128, low nibbles of 64, highs of 32
-            const int h = w / 128, r = w % 128;
-            const int lo = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 15, hi = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
-            v[i][w] = static_cast<uint8_t>(lo | hi << 4);
+        const int64_t p = p0 + lp;
+        int8_t* span = scp + (p * K / 16 + s * 16) * 16;
+        uint8_t* lpan = qlp + (p * K / 8 + s * 32) * 64;
+        uint8_t* hpan = qhp + (p * K / 32 + s * 8) * 128;
+        for (int i = 0; i < 16; ++i) {
+          if (lp * 16 + i >= N) {
+            dp[(p * SB + s) * 16 + i] = 0;
+            for (int g = 0; g < 16; ++g) span[g * 16 + i] = 0;
+            for (int o = 0; o < 32; ++o) store32(lpan + o * 64 + i * 4, 0);
+            for (int k = 0; k < 16; ++k) store32(hpan + k * 64 + i * 4, 0);
+            continue;
           }
-        }
-        put_nibbles(v, qlp + (p * K / 8 + s * 32) * 64);
-        for (int blk = 0; blk < 8; ++blk) {  // highs: bits 2o..2o+1 of byte [half*64 + i*4 + j] = hi(32 blk + 8o + 4 half + j)
-          uint8_t* out = qhp + ((p * K / 32) + s * 8 + blk) * 128;
-          for (int half = 0; half < 2; ++half)
-            for (int i = 0; i < 16; ++i)
-              for (int j = 0; j < 4; ++j) {
-                uint8_t byte = 0;
-                for (int o = 0; o < 4; ++o) byte |= ((v[i][32 * blk + 8 * o + 4 * half + j] >> 4) & 3) << (2 * o);
-                out[half * 64 + i * 4 + j] = byte;
-              }
+          const uint8_t* blk = src + (lp * 16 + i) * rb + s * 210;
+          std::memcpy(&dp[(p * SB + s) * 16 + i], blk + 208, 2);
+          for (int g = 0; g < 16; ++g) span[g * 16 + i] = static_cast<int8_t>(blk[192 + g]);
+          // weight w = 128h + r: low nibble (r / 64) of byte h*64 + r % 64, high bits 2 (r / 32) of byte
+          // 128 + h*32 + r % 32 (gguf-py's Q6_K); octet o: h = o / 16, r = 8 (o % 16) + j
+          for (int o = 0; o < 32; ++o) {
+            const uint8_t* at = blk + 64 * (o / 16) + 8 * (o % 8);
+            const int sh = 4 * (o % 16 / 8);
+            store32(lpan + o * 64 + i * 4, ((load32(at) >> sh) & kNib) | ((load32(at + 4) >> sh) & kNib) << 4);
+          }
+          // block bk of 32 (w = 32 bk + 8 o' + 4 half + j): h = bk / 4, high bits 2 (bk % 4) of byte
+          // 128 + 32 h + 8 o' + 4 half + j, placed at bits 2 o' of byte [bk, half*64 + i*4 + j]
+          for (int bk = 0; bk < 8; ++bk)
+            for (int half = 0; half < 2; ++half) {
+              const uint8_t* at = blk + 128 + 32 * (bk / 4) + 4 * half;
+              const int sh = 2 * (bk % 4);
+              uint32_t word = 0;
+              for (int o = 0; o < 4; ++o) word |= ((load32(at + 8 * o) >> sh) & kTwo) << (2 * o);
+              store32(hpan + bk * 128 + half * 64 + i * 4, word);
+            }
         }
       }
   });
-  return {ql, qh, sc, d};
 }
 
 }  // namespace tokenmill
@@ -309,8 +340,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("q6k_linear_dot(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, int N, int bits, int segment=0, "
         "bool partial=False) -> Tensor");
 #endif
-  m.def("q4k_pack(Tensor raw) -> Tensor[]");
-  m.def("q6k_pack(Tensor raw) -> Tensor[]");
+  m.def("q4k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, int row0) -> ()");
+  m.def("q6k_pack(Tensor raw, Tensor(a!) ql, Tensor(b!) qh, Tensor(c!) sc, Tensor(d!) d, int row0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -105,8 +105,9 @@ class Linear(nn.Module):
         self.input_perm: torch.Tensor | None = None  # act-order GPTQ: inputs reordered so groups are contiguous
         self._int4_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._int8_parts: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._kq_parts: dict[str | None, kquant.KQuantWeight] = {}  # GGUF K-quant shards at their own width
-        self._sources: dict[str | None, BlockTensor] = {}             # ... and where they came from
+        self._kq_parts: dict[str | None, kquant.KQuantWeight | None] = {}  # GGUF K-quant shards (None: in _kq_fused)
+        self._kq_fused: kquant.KQuantWeight | None = None  # all rows, filled by the shards of its kind
+        self._sources: dict[str | None, BlockTensor] = {}  # where the K-quant shards came from
         self._input_perms: dict[str | None, torch.Tensor | None] = {}
         self.quantized_source = False  # some shard was stored quantized in the checkpoint
         self.keep_float = False  # never quantized: MoE routers (tiny, and they decide which experts run)
@@ -140,8 +141,7 @@ class Linear(nn.Module):
         self.quantized_source |= quantized
         if self.stream is not None and not self._needs_float(quantized):
             if self._kquant(loaded):
-                self._kq_parts[shard] = kquant.from_blocks(loaded.kind, *loaded.shape, loaded.raw)
-                self._sources[shard] = loaded
+                self._pack_kquant(shard, loaded)
             else:
                 int4_parts, int8_parts = self._parts_of(loaded, int4_parts, int8_parts)
         else:
@@ -168,6 +168,40 @@ class Linear(nn.Module):
         an explicit int8/int4 policy rounds them instead)."""
         return (isinstance(loaded, BlockTensor) and self.stream.policy in ("auto", *PREQUANTIZED)
                 and kquant.supported(loaded.kind, *loaded.shape))
+
+    def _pack_kquant(self, shard: str | None, loaded: BlockTensor) -> None:
+        """A K-quant shard straight into the fused layer's panels when it is of the first shard's
+        kind (no concatenation after), else into panels of its own."""
+        self._sources[shard] = loaded
+        rows, cols = loaded.shape
+        start = self.shard_offsets[shard][0] if shard is not None else 0
+        if self._kq_fused is None:
+            self._kq_fused = kquant.empty(loaded.kind, self.out_features, cols)
+        if self._kq_fused.kind == loaded.kind:
+            kquant.fill(self._kq_fused, start, rows, loaded.raw)
+            self._kq_parts[shard] = None
+        else:
+            self._kq_parts[shard] = kquant.from_blocks(loaded.kind, rows, cols, loaded.raw)
+
+    def _kquant_weight(self, expected: list):
+        """The layer's K-quant weight once every shard is in: the fused panels, or a RowStack of
+        runs of one kind where the shards' kinds differ (Q4_K_M's Q4_K q, k and Q6_K v)."""
+        if all(self._kq_parts[s] is None for s in expected):
+            return self._kq_fused
+        parts, offset, run = [], 0, None  # run: (first row, rows) of consecutive shards in the fused panels
+        for s in expected:
+            size, own = self.shard_offsets[s][1], self._kq_parts[s]
+            if own is None:
+                run = (run[0], run[1] + size) if run else (offset, size)
+            else:
+                if run:
+                    parts.append(kquant.rows_of(self._kq_fused, *run))
+                    run = None
+                parts.append(own)
+            offset += size
+        if run:
+            parts.append(kquant.rows_of(self._kq_fused, *run))
+        return RowStack(parts, self.out_features, self.in_features)
 
     def _parts_of(self, loaded, int4_parts, int8_parts) -> tuple:
         """A shard's packed-to-be form without its float copy: the exact parts that came with it,
@@ -199,11 +233,11 @@ class Linear(nn.Module):
         allow_int4 = allow_int4 and self.out_features % 16 == 0  # the CPU packing works on 16-row tiles
         exact = allow_int4 and all(s in self._int4_parts for s in expected) and self._same_perm(expected)
         if self._kq_parts and set(self._kq_parts) >= set(expected):
-            self.qweight = _stack_kquants([self._kq_parts[s] for s in expected], self.out_features, self.in_features)
+            self.qweight = self._kquant_weight(expected)
             self._sources = {}
         for s, src in self._sources.items():  # K-quant shards fused with shards of other types: all int8
             self._int8_parts[s] = src.int8_parts()
-        self._kq_parts, self._sources = {}, {}
+        self._kq_parts, self._sources, self._kq_fused = {}, {}, None
         if self.qweight is None and not exact and self.weight.numel() == 0:  # streamed without a float copy: mixed parts become int8
             for s in expected:
                 if s not in self._int8_parts:
@@ -288,14 +322,3 @@ class FusedLinear(Linear):
             self.shard_offsets[name] = (offset, size)
             offset += size
 
-
-def _stack_kquants(parts: list, out_features: int, in_features: int):
-    """Shards in order: runs of one kind concatenated, a RowStack where kinds change."""
-    runs: list[list] = []
-    for w in parts:
-        if runs and runs[-1][0].kind == w.kind:
-            runs[-1].append(w)
-        else:
-            runs.append([w])
-    merged = [kquant.cat(run) if len(run) > 1 else run[0] for run in runs]
-    return merged[0] if len(merged) == 1 else RowStack(merged, out_features, in_features)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill import kernels
+from tokenmill.utils import huge_page_zeros
 
 
 @dataclass
@@ -43,7 +44,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size
     if k % group_size or scale.shape != (n, k // group_size):
         raise ValueError(f"int4 groups of {group_size} do not tile a ({n}, {k}) weight.")
     if kernels.available():
-        return Int4Weight(group_size, n, k, panels=kernels.pack_int4(q, scale, minimum))
+        return Int4Weight(group_size, n, k, panels=kernels.pack_int4(q, scale, minimum, alloc=huge_page_zeros))
     packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
     zero = minimum.float() + 8.0 * scale.float()
     sz = torch.stack([scale.float().t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()  # (G, N, 2)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill import kernels
+from tokenmill.utils import huge_page_zeros
 
 
 @dataclass
@@ -23,7 +24,7 @@ def make(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
     """The int8 weight for integers q (N, K) and per-row scales (N,), in the fastest layout."""
     n, k = q.shape
     if kernels.available() and k % 2 == 0:
-        return Int8Weight(None, scale.float(), n, k, kernels.pack_int8(q, scale))
+        return Int8Weight(None, scale.float(), n, k, kernels.pack_int8(q, scale, alloc=huge_page_zeros))
     return Int8Weight(q.contiguous(), scale.to(torch.bfloat16), n, k)
 
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tokenmill import kernels
+from tokenmill.utils import huge_page_zeros
 
 KINDS = ("Q4_K", "Q6_K")
 PACK_ROWS = 2048  # rows decoded and packed per step (a multiple of the 16-row panels)
@@ -40,34 +41,44 @@ def supported(kind: str, rows: int, cols: int) -> bool:
     return kind in KINDS and cols % 256 == 0 and rows % kernels.LANES == 0 and kernels.dot_layout()
 
 
-def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
-    """`read(start, stop)` -> uint8 raw rows; packed PACK_ROWS rows at a time into panels
-    allocated once (a 128k-row Q6_K output head never exists decoded whole)."""
-    p, lanes = (rows + kernels.LANES - 1) // kernels.LANES, kernels.LANES
+def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
+    """Panels for `rows` outputs, to be filled (`fill`) a shard or a run of rows at a time."""
+    p = (rows + kernels.LANES - 1) // kernels.LANES
     if kind == "Q4_K":
         shapes = [((p, cols // 8, 64), torch.uint8), ((p, cols // 32, 32), torch.uint8), ((p, cols // 256, 32), torch.half)]
-        pack = torch.ops.tokenmill.q4k_pack
     else:
         shapes = [((p, cols // 8, 64), torch.uint8), ((p, cols // 32, 128), torch.uint8), ((p, cols // 16, 16), torch.int8),
                   ((p, cols // 256, 16), torch.half)]
-        pack = torch.ops.tokenmill.q6k_pack
-    out = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
-    for r0 in range(0, rows, PACK_ROWS):
-        r1 = min(r0 + PACK_ROWS, rows)
-        for dst, src in zip(out, pack(torch.from_numpy(np.ascontiguousarray(read(r0, r1))))):
-            dst[r0 // lanes:(r1 + lanes - 1) // lanes] = src
+    out = [huge_page_zeros(shape, dtype) for shape, dtype in shapes]
     panels = kernels.Q4KPanels(*out, rows) if kind == "Q4_K" else kernels.Q6KPanels(*out, rows)
     return KQuantWeight(kind, rows, cols, panels)
 
 
-def cat(parts: list[KQuantWeight]) -> KQuantWeight:
-    """Shards of one kind stacked by rows (each a whole number of panels)."""
-    first = parts[0]
-    names = [f for f in vars(first.panels) if isinstance(getattr(first.panels, f), torch.Tensor)]
-    tensors = [torch.cat([getattr(w.panels, f) for w in parts]) for f in names]
-    rows = sum(w.out_features for w in parts)
-    panels = type(first.panels)(*tensors, rows)
-    return KQuantWeight(first.kind, rows, first.in_features, panels)
+def fill(w: KQuantWeight, start: int, rows: int, read) -> None:
+    """Rows [start, start + rows) of `w` (start a multiple of 16) from `read(a, b)` -> uint8 raw
+    rows a..b of the source, PACK_ROWS at a time: the kernel writes the panels in place."""
+    pack = torch.ops.tokenmill.q4k_pack if w.kind == "Q4_K" else torch.ops.tokenmill.q6k_pack
+    tensors = [t for t in vars(w.panels).values() if isinstance(t, torch.Tensor)]
+    for r0 in range(0, rows, PACK_ROWS):
+        pack(torch.from_numpy(np.ascontiguousarray(read(r0, min(r0 + PACK_ROWS, rows)))), *tensors, start + r0)
+
+
+def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
+    """A whole weight from `read` (see `fill`): a 128k-row Q6_K output head never exists decoded."""
+    w = empty(kind, rows, cols)
+    fill(w, 0, rows, read)
+    return w
+
+
+def rows_of(w: KQuantWeight, start: int, count: int) -> KQuantWeight:
+    """Rows [start, start + count) (whole panels) as a weight of their own, copied out."""
+    lanes = kernels.LANES
+    tensors = []
+    for t in vars(w.panels).values():
+        if isinstance(t, torch.Tensor):
+            part = t[start // lanes:(start + count + lanes - 1) // lanes]
+            tensors.append(huge_page_zeros(tuple(part.shape), part.dtype).copy_(part))
+    return KQuantWeight(w.kind, count, w.in_features, type(w.panels)(*tensors, count))
 
 
 def matmul(x: torch.Tensor, w: KQuantWeight, partial: bool = False) -> torch.Tensor:
