@@ -19,5 +19,9 @@ def test_a_soak_loses_nothing_and_leaks_nothing():
     assert r["preemptions"] > 0  # the cache was small enough to force them
     assert r["leaked_requests"] == r["leaked_streams"] == r["leaked_blocks"] == 0
     assert r["block_integrity"] == "ok"
-    rss = r["rss_mib_by_fifth"]  # allocator pools settle early (a step up, then flat); a leak keeps growing
-    assert rss[-1] - rss[2] <= 32 and rss[-1] <= rss[0] * 1.25 + 64, rss
+    # allocator pools settle (then flat); a leak keeps growing. Since weights load without a float
+    # staging copy the process starts lean and the serving heap fills over the first ~600 requests
+    # (1,000 requests, session 20: 610, 664, 709, 719, 719 MiB by fifth, below the 740-762 of
+    # the staging loader): 64 MiB of the last three fifths of 300 requests is that settling
+    rss = r["rss_mib_by_fifth"]
+    assert rss[-1] - rss[2] <= 64 and rss[-1] <= rss[0] * 1.25 + 64, rss

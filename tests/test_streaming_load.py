@@ -137,17 +137,22 @@ def llama_file(tmp_path_factory, default_model):
 
 
 def test_a_few_hundred_mb_model_loads_within_its_bytes(llama_file):
-    """A child process (its own peak): load, answer, report ru_maxrss; the bound is the file's tensor
+    """A child process (its own peak): load, answer, report its peak RSS; the bound is the file's tensor
     bytes x 1.15 + KV cache + 0.5 GB (torch's own ~0.3 GB included)."""
     path, tensor_bytes = llama_file
     kv = 64 << 20
+    # the peak is reset (clear_refs 5) once torch is imported and the kernels are loaded (built, if
+    # this is their first use): what is measured is the load and the answer
     code = textwrap.dedent(f"""
-        import json, resource
-        from tokenmill import LLM, SamplingParams
+        import json
+        from tokenmill import LLM, SamplingParams, kernels
+        kernels.available()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
         llm = LLM(model={path!r}, kv_cache_memory={kv})
         out = llm.generate(["Hello world"], SamplingParams(max_tokens=4, ignore_eos=True))
-        print(json.dumps({{"peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                          "tokens": len(out[0].outputs[0].token_ids)}}))
+        hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+        print(json.dumps({{"peak": hwm * 1024, "tokens": len(out[0].outputs[0].token_ids)}}))
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
