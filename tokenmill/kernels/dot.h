@@ -270,6 +270,12 @@ void dispatch_dot(int rows, int np, Args... args) {
   else dispatch_dot_rows<Tile, 1>(rows, args...);
 }
 
+// A dot-layout weight tensor of exactly this shape and dtype, contiguous.
+void check_panel(const at::Tensor& t, at::IntArrayRef sizes, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(t.sizes() == sizes && t.scalar_type() == dtype && t.is_contiguous(), what, " must be ", dtype, " ", sizes,
+              ", got ", t.scalar_type(), " ", t.sizes());
+}
+
 void check_bits(int64_t bits) { TORCH_CHECK(bits == 8 || bits == 16, "activation bits must be 8 or 16, got ", bits); }
 
 // segment 0: all K inputs in one float32 sum

@@ -182,12 +182,9 @@ at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::T
               "Q6_K low nibbles must be uint8 (P, K/8, 64)");
   const int64_t P = ql.size(0), K = ql.size(1) * 8;
   TORCH_CHECK(K % 256 == 0, "Q6_K needs K a multiple of 256");
-  TORCH_CHECK(qh.sizes() == at::IntArrayRef({P, K / 32, 128}) && qh.scalar_type() == at::kByte && qh.is_contiguous(),
-              "Q6_K highs must be uint8 (P, K/32, 128)");
-  TORCH_CHECK(sc.sizes() == at::IntArrayRef({P, K / 16, 16}) && sc.scalar_type() == at::kChar && sc.is_contiguous(),
-              "Q6_K scales must be int8 (P, K/16, 16)");
-  TORCH_CHECK(d.sizes() == at::IntArrayRef({P, K / 256, 16}) && d.scalar_type() == at::kHalf && d.is_contiguous(),
-              "Q6_K d must be float16 (P, K/256, 16)");
+  check_panel(qh, {P, K / 32, 128}, at::kByte, "Q6_K highs");
+  check_panel(sc, {P, K / 16, 16}, at::kChar, "Q6_K scales");
+  check_panel(d, {P, K / 256, 16}, at::kHalf, "Q6_K d");
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);

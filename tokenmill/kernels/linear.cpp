@@ -478,10 +478,8 @@ at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Te
               "Q4_K weights must be uint8 (P, K/8, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 8;
   TORCH_CHECK(K % 256 == 0, "Q4_K needs K a multiple of 256");
-  TORCH_CHECK(sm.sizes() == at::IntArrayRef({P, K / 32, 32}) && sm.scalar_type() == at::kByte && sm.is_contiguous(),
-              "Q4_K scales/mins must be uint8 (P, K/32, 32)");
-  TORCH_CHECK(dd.sizes() == at::IntArrayRef({P, K / 256, 32}) && dd.scalar_type() == at::kHalf && dd.is_contiguous(),
-              "Q4_K d/-dmin must be float16 (P, K/256, 32)");
+  check_panel(sm, {P, K / 32, 32}, at::kByte, "Q4_K scales/mins");
+  check_panel(dd, {P, K / 256, 32}, at::kHalf, "Q4_K d/-dmin");
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = 32;
