@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear import as_float, deferrable_empty, materialize
+from tokenmill.layers.linear import PREQUANTIZED, as_float, deferrable_empty, materialize
 from tokenmill.quant import int8, kquant
 from tokenmill.quant.gguf_tensor import BlockTensor
 
@@ -70,7 +70,7 @@ class Embedding(nn.Module):
         own values), else rounded to per-row int8."""
         if self.weight is not None:
             return int8.quantize_rtn(self.weight.data)
-        if policy in ("auto", "awq", "gptq") and kquant.supported(self.blocks.kind, *self.blocks.shape):
+        if policy in ("auto", *PREQUANTIZED) and kquant.supported(self.blocks.kind, *self.blocks.shape):
             return kquant.from_blocks(self.blocks.kind, *self.blocks.shape, self._raw_rows)
         return int8.make(*self.blocks.int8_parts())
 

@@ -147,7 +147,8 @@ class Linear(nn.Module):
         else:
             materialize(param, full)
             param.data[rows].copy_(as_float(loaded))
-            if isinstance(loaded, BlockTensor) and int4_parts is None and int8_parts is None:
+            keeps_float_only = self.stream is not None and self.stream.policy == "none"
+            if isinstance(loaded, BlockTensor) and int4_parts is None and int8_parts is None and not keeps_float_only:
                 int4_parts = loaded.int4_parts()  # Q4_0/Q4_1 stay exact
         if int4_parts is not None:
             self._int4_parts[shard] = int4_parts
