@@ -64,15 +64,15 @@ def test_unsupported_gguf_tensor_type(tmp_path):
     path = str(tmp_path / "iq.gguf")
     w = gguf.GGUFWriter(path, "llama")
     w.add_block_count(1)
-    qtype = gguf.GGMLQuantizationType.IQ4_NL
+    qtype = gguf.GGMLQuantizationType.IQ2_XXS  # the 2-bit lattice types are not loaded
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    # 4 rows of 64 weights, as raw IQ4_NL bytes
-    w.add_tensor("token_embd.weight", np.zeros((4, 64 // block * nbytes), dtype=np.uint8), raw_dtype=qtype)
+    # 4 rows of 256 weights, as raw IQ2_XXS bytes
+    w.add_tensor("token_embd.weight", np.zeros((4, 256 // block * nbytes), dtype=np.uint8), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="IQ4_NL.*cannot load.*supported"):
+    with pytest.raises(ValueError, match="IQ2_XXS.*cannot load.*supported: .*IQ4_XS.*MXFP4.*Q8_0"):
         load(path)
 
 

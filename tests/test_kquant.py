@@ -1,8 +1,9 @@
-"""GGUF K-quants at their own width (quant/kquant.py, kernels Q4_K/Q6_K): decoding equals gguf-py's
-dequantization exactly, the kernels multiply by exactly those weights (to the activations' rounding),
-and a Llama-shaped model of mixed K-quant tensors gives the float model's logits on the same
-dequantized weights. Blocks are random bytes (with sane float16 scales): every bit pattern a
-file can hold, without llama.cpp's quantizer (gguf-py cannot make K-quants, only read them)."""
+"""GGUF block types at their own width (quant/kquant.py: K-quants, Q5_0/Q5_1, Q8_0, IQ4_NL, IQ4_XS,
+MXFP4): decoding equals gguf-py's dequantization exactly, the kernels multiply by exactly those
+weights (to the activations' rounding), and Llama-shaped models of mixed types give the float
+model's logits on the same dequantized weights. Blocks are random bytes (with sane float16 scales):
+every bit pattern a file can hold, without llama.cpp's quantizer (gguf-py cannot make K-quants or
+IQ types, only read them)."""
 import gguf
 import numpy as np
 import pytest
@@ -13,12 +14,9 @@ from tokenmill.quant import kquant
 
 pytestmark = pytest.mark.skipif(not kernels.dot_layout(), reason="the K-quant kernels need tokenmill's CPU kernels")
 
-BLOCK = {"Q4_K": 144, "Q6_K": 210}
-
-
 def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
-    """The float32 (N, K) weights a K-quant's panels hold, read back from the panel layouts
-    (kernels/__init__.py, kquant.cpp) and combined as gguf-py combines them."""
+    """The float32 (N, K) weights a block type's panels hold, read back from the panel layouts
+    (kernels/__init__.py, linear.cpp, kquant.cpp) and combined as gguf-py combines them."""
     p = w.panels
     n, k = w.out_features, w.in_features
 
@@ -26,10 +24,20 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
         b = t.view(-1, k // 8, 16, 4).permute(0, 2, 1, 3)  # (P, 16 rows, octet, j)
         return torch.stack([b & 15, b >> 4], dim=3).reshape(-1, k)[:n]  # octet: j low, then 4 + j high
 
+    def fifth(t: torch.Tensor) -> torch.Tensor:  # (P, K/32, 64) fifth bits -> (N, K) values 0 or 16
+        b = t.view(-1, k // 32, 16, 4).permute(0, 2, 1, 3)  # (P, 16 rows, block, j)
+        bits = torch.stack([torch.stack([(b >> o) & 1, (b >> (4 + o)) & 1], dim=3) for o in range(4)], dim=3)
+        return bits.reshape(-1, k)[:n] << 4  # (.., block, octet, half, j): input 32 block + 8 octet + 4 half + j
+
     def rows(t: torch.Tensor) -> torch.Tensor:  # (P, G, 16) -> (N, G)
         return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
-    if w.kind == "Q4_K":
-        q = nibbles(p.q).float()
+    if isinstance(p, kernels.Int8Panels):
+        return kernels.unpack_int8(p).float() * rows(p.s).repeat_interleave(32, dim=1)
+    if isinstance(p, kernels.Int4Panels):
+        q = (nibbles(p.q) | fifth(p.qh)).float()
+        return q * rows(p.s).float().repeat_interleave(32, dim=1) + rows(p.m).float().repeat_interleave(32, dim=1)
+    if isinstance(p, kernels.Q4KPanels):
+        q = (nibbles(p.q) | fifth(p.qh) if p.qh is not None else nibbles(p.q)).float()
         sc, mn = rows(p.sm[..., :16]).float(), rows(p.sm[..., 16:]).float()
         d, negmin = rows(p.dd[..., :16]).float(), rows(p.dd[..., 16:]).float()
         scale = (d.repeat_interleave(8, dim=1) * sc).repeat_interleave(32, dim=1)
@@ -42,14 +50,23 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
     return scale * ((lo | hi << 4).float() - 32)
 
 
+# where each type's float16 scales sit in its block (offset, low, high): sane magnitudes, no inf/NaN
+_HALVES = {"Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)],
+           "Q6_K": [(208, 1e-4, 1e-3)], "Q3_K": [(108, 1e-4, 1e-3)], "Q5_0": [(0, 1e-4, 2e-3)],
+           "Q5_1": [(0, 1e-4, 2e-3), (2, -2e-3, 2e-3)], "Q8_0": [(0, 1e-5, 1e-4)], "IQ4_NL": [(0, 1e-5, 1e-4)],
+           "IQ4_XS": [(0, 1e-6, 1e-5)], "MXFP4": []}
+
+
 def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
-    b = rng.integers(0, 256, (rows, cols // 256, BLOCK[kind]), dtype=np.uint8)
-    scale = lambda lo, hi: np.frombuffer(rng.uniform(lo, hi, (rows, cols // 256)).astype(np.float16).tobytes(),  # noqa: E731
-                                         np.uint8).reshape(rows, cols // 256, 2)
-    if kind == "Q4_K":
-        b[..., 0:2], b[..., 2:4] = scale(1e-4, 2e-3), scale(1e-4, 2e-3)  # d, dmin
-    else:
-        b[..., 208:210] = scale(1e-4, 1e-3)
+    """Random bytes in `kind`'s blocks: every bit pattern, with float16 scales of weight-like size
+    (MXFP4: exponents for 2^-18..2^-5)."""
+    size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    b = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
+    for at, lo, hi in _HALVES[kind]:
+        b[..., at:at + 2] = np.frombuffer(rng.uniform(lo, hi, (rows, cols // size)).astype(np.float16).tobytes(),
+                                          np.uint8).reshape(rows, cols // size, 2)
+    if kind == "MXFP4":
+        b[..., 0] = rng.integers(110, 124, (rows, cols // size))
     return b.reshape(rows, -1)
 
 
@@ -92,7 +109,7 @@ def test_row_parallel_slices_add_up_to_the_whole_bit_for_bit(kind):
     x = torch.from_numpy(rng.standard_normal((3, 1024)).astype(np.float32))
     whole = kquant.from_blocks(kind, 32, 1024, lambda a, b: raw[a:b])
     whole.panels.segment = 256
-    per = 1024 // 256 * BLOCK[kind]
+    per = raw.shape[1]
     halves = [kquant.from_blocks(kind, 32, 512, lambda a, b, h=h: raw[a:b, h * per // 2:(h + 1) * per // 2]) for h in (0, 1)]
     for h in halves:
         h.panels.segment = 256
@@ -101,22 +118,33 @@ def test_row_parallel_slices_add_up_to_the_whole_bit_for_bit(kind):
     assert full.dtype == torch.float64 and torch.equal(full, parts)
 
 
-def _tiny_kquant_gguf(path) -> None:
-    """A 2-layer Llama of 256-wide tensors in Q4_K_M's mix: Q4_K q/k/o/gate/up, Q6_K v, down and the
-    tied embedding."""
+_Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
+           "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+# every other type at its own width, mixed within the fused projections (RowStacks of different panels)
+MIXES = {"Q4_K_M": ("Q6_K", [_Q4_K_M, _Q4_K_M]),
+         "others": ("Q8_0", [{"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "IQ4_XS",
+                              "ffn_gate": "Q3_K", "ffn_up": "Q5_0", "ffn_down": "IQ4_NL"},
+                             {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "MXFP4", "attn_output": "Q5_0",
+                              "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q3_K"}])}
+
+
+def _tiny_kquant_gguf(path, mix: str = "Q4_K_M") -> None:
+    """A 2-layer Llama of 256-wide tensors in one of MIXES (Q4_K_M's: Q4_K q/k/o/gate/up, Q6_K v,
+    down and the tied embedding)."""
     rng = np.random.default_rng(0)
     h, ff, vocab, layers = 256, 512, 320, 2
+    embed, kinds = MIXES[mix]
     w = gguf.GGUFWriter(str(path), "llama")
     for fn, v in ((w.add_context_length, 256), (w.add_embedding_length, h), (w.add_block_count, layers),
                   (w.add_feed_forward_length, ff), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                   (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, vocab)):
         fn(v)
-    w.add_tensor("token_embd.weight", random_blocks(rng, vocab, h, "Q6_K"), raw_dtype=gguf.GGMLQuantizationType.Q6_K)
+    w.add_tensor("token_embd.weight", random_blocks(rng, vocab, h, embed), raw_dtype=gguf.GGMLQuantizationType[embed])
     for i in range(layers):
-        for name, (rows, cols), kind in (("attn_q", (h, h), "Q4_K"), ("attn_k", (128, h), "Q4_K"),
-                                         ("attn_v", (128, h), "Q6_K"), ("attn_output", (h, h), "Q4_K"),
-                                         ("ffn_gate", (ff, h), "Q4_K"), ("ffn_up", (ff, h), "Q4_K"),
-                                         ("ffn_down", (h, ff), "Q6_K")):
+        for name, (rows, cols) in (("attn_q", (h, h)), ("attn_k", (128, h)), ("attn_v", (128, h)),
+                                   ("attn_output", (h, h)), ("ffn_gate", (ff, h)), ("ffn_up", (ff, h)),
+                                   ("ffn_down", (h, ff))):
+            kind = kinds[i][name]
             w.add_tensor(f"blk.{i}.{name}.weight", random_blocks(rng, rows, cols, kind),
                          raw_dtype=gguf.GGMLQuantizationType[kind])
         for norm in ("attn_norm", "ffn_norm"):
@@ -128,26 +156,32 @@ def _tiny_kquant_gguf(path) -> None:
     w.close()
 
 
+@pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("bits", [16, 8])
-def test_mixed_kquant_model_equals_the_float_model(tmp_path, bits):
-    from tokenmill.layers.linear import RowStack
+def test_mixed_kquant_model_equals_the_float_model(tmp_path, bits, mix):
+    from tokenmill.layers.linear import RowStack, leaf_weights
     from tokenmill.models import loader
 
     path = tmp_path / "kq.gguf"
-    _tiny_kquant_gguf(path)
+    _tiny_kquant_gguf(path, mix)
     ref = loader.load(str(path), "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
     kq = loader.load(str(path), "float32", torch.device("cpu"), load_tokenizer=False, activation_bits=bits)
-    layer = kq.model.model.layers[0]
-    qkv = layer.self_attn.qkv_proj.qweight
-    assert isinstance(qkv, RowStack) and [p.kind for p in qkv.parts] == ["Q4_K", "Q6_K"]  # q+k, then v
-    assert layer.mlp.gate_up_proj.qweight.kind == "Q4_K" and layer.mlp.down_proj.qweight.kind == "Q6_K"
-    assert kq.model.tied_head_q.kind == "Q6_K" and kq.model.model.embed_tokens.weight is None
+    embed, kinds = MIXES[mix]
+    for layer, want in zip(kq.model.model.layers, kinds):  # every tensor at its own type, none rounded to int8
+        got = [[p.kind for p in leaf_weights(proj.qweight)] for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        runs = lambda *ks: [k for i, k in enumerate(ks) if i == 0 or k != ks[i - 1]]  # noqa: E731 - fused runs of a kind
+        assert got == [runs(want["attn_q"], want["attn_k"], want["attn_v"]), [want["attn_output"]],
+                       runs(want["ffn_gate"], want["ffn_up"]), [want["ffn_down"]]]
+    assert isinstance(kq.model.model.layers[0].self_attn.qkv_proj.qweight, RowStack)
+    assert kq.model.tied_head_q.kind == embed and kq.model.model.embed_tokens.weight is None
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # each projection: the float one's product, to the activations' rounding
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
-            pa, pb = (dict(m.model.model.layers[1].named_modules())[name] for m in (ref, kq))
-            ya, yb = pa(x), pb(x)
-            assert ((ya - yb).abs().max() / ya.abs().max()).item() < (1e-4 if bits == 16 else 3e-2)
+        for i in (0, 1):
+            for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"):
+                pa, pb = (dict(m.model.model.layers[i].named_modules())[name] for m in (ref, kq))
+                ya, yb = pa(x), pb(x)
+                assert ((ya - yb).abs().max() / ya.abs().max()).item() < (1e-4 if bits == 16 else 3e-2)
     ids = torch.tensor([1, 17, 300, 42, 5, 99, 250, 3])
     pos = torch.arange(len(ids))
     with torch.inference_mode():
@@ -159,17 +193,18 @@ def test_mixed_kquant_model_equals_the_float_model(tmp_path, bits):
     # two layers of random weights amplify the projections' differences about a hundredfold: at 16
     # bits (~2e-5 each) the logits stay close; 8-bit rounding (~1e-2 each) is checked per projection
     assert bits == 8 or err < 5e-3, err
-    # a step reads every layer and the whole table (the head) once: the file's own bytes, within 10 %
-    assert kq.model.decode_weight_bytes() <= 1.1 * sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
+    if mix == "Q4_K_M":  # a step reads every layer and the whole table (the head) once: the file's own bytes, within 10 %
+        assert kq.model.decode_weight_bytes() <= 1.1 * sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
 
 
-def test_decode_stack_runs_kquants_as_the_python_layers_do(tmp_path):
-    """The native decode stack takes Q4_K, Q6_K and the stacked Q4_K/Q6_K QKV: same tokens and
-    logprobs, bit for bit, as the Python layers."""
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_decode_stack_runs_kquants_as_the_python_layers_do(tmp_path, mix):
+    """The native decode stack takes every block type's panels and the stacked QKV and gate/up of
+    mixed types: same tokens and logprobs, bit for bit, as the Python layers."""
     from tokenmill import LLM, SamplingParams
 
     path = tmp_path / "kq.gguf"
-    _tiny_kquant_gguf(path)
+    _tiny_kquant_gguf(path, mix)
     llm = LLM(str(path), kv_cache_memory="16MiB", enable_prefix_caching=False, skip_tokenizer_init=True)
     model = llm.engine.runner.model
     assert model.decode_stack is not None

@@ -105,13 +105,15 @@ class Int4Panels:
     dot: bool = False
     act_bits: int = 16  # dot layout: x rounded to 8- or 16-bit integers per 32 inputs (ACT_BITS)
     segment: int = 0    # dot layout: inputs per float32 partial sum, summed in float64 (0: all K)
+    qh: torch.Tensor | None = None  # dot layout, 5-bit weights (GGUF Q5_0/Q5_1): q's fifth bits (fifth_bit_panels)
 
 
 @dataclass
 class Int8Panels:
-    """Per-output-channel int8, w = q * s, in 16-row panels."""
+    """int8, w = q * s per output channel, or per block of 32 inputs (GGUF Q8_0 and the lookup
+    types, dot layout only), in 16-row panels."""
     q: torch.Tensor   # int8 (P, K, 16), or uint8 (P, K/4, 64) holding q + 128 in the dot layout
-    s: torch.Tensor   # float32 (P*16,)
+    s: torch.Tensor   # float32 (P*16,), or (P, K/32, 16) per block
     out_features: int
     dot: bool = False
     act_bits: int = 16
@@ -138,24 +140,46 @@ def _panels(n: int, shape: tuple[int, ...], dtype: torch.dtype, fill, alloc=None
     return out
 
 
+def per_panel(t: torch.Tensor) -> torch.Tensor:
+    """(N, G) per-row values -> (P, G, 16) float32, as the panels hold scales and minimums."""
+    return _pad_rows(t.float()).reshape(-1, LANES, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def int4_dot_panels(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) integers (their low 4 bits) -> uint8 (P, K/8, 64), the int4 dot layout."""
+    k = q.shape[1]
+    octets = _pad_rows(q.to(torch.uint8) & 15).reshape(-1, LANES, k // 8, 2, 4)  # (P, 16, K/8, half, 4)
+    packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)                      # (P, 16, K/8, 4)
+    return packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES)
+
+
+def fifth_bit_panels(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) integers 0..31 -> their bits 4 as uint8 (P, K/32, 64) (linear.cpp fifth_bits)."""
+    k = q.shape[1]
+    bits = ((_pad_rows(q.to(torch.uint8)) >> 4) & 1).reshape(-1, LANES, k // 32, 4, 2, 4)  # (P, 16, block, o, half, j)
+    shift = torch.arange(4, dtype=torch.uint8).view(4, 1, 1) + torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)
+    packed = (bits << shift).sum(dim=(3, 4), dtype=torch.uint8)                      # (P, 16, block, j)
+    return packed.transpose(1, 2).reshape(-1, k // 32, 4 * LANES)
+
+
+def int8_dot_panels(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 -> uint8 (P, K/4, 64) holding q + 128, the int8 dot layout."""
+    k = q.shape[1]
+    u = (_pad_rows(q.to(torch.int16)) + 128).to(torch.uint8)
+    return u.reshape(-1, LANES, k // 4, 4).transpose(1, 2).reshape(-1, k // 4, 4 * LANES)
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, alloc=None) -> Int4Panels:
     """q: (N, K) integers 0..15; scale, minimum: (N, G) per group of K/G inputs."""
     n, k = q.shape
     g = scale.shape[1]
     if k % g or (k // g) % 2:
         raise ValueError(f"int4 panels need an even group size dividing {k}; got {g} groups.")
-
-    def per_panel(t: torch.Tensor) -> torch.Tensor:                         # (N, G) -> (P, G, 16)
-        return _pad_rows(t.float()).reshape(-1, LANES, g).transpose(1, 2).contiguous()
     if dot_layout() and (k // g) % 32 == 0:
-        def dot(r0: int, r1: int) -> torch.Tensor:
-            octets = _pad_rows(q[r0:r1].to(torch.uint8)).reshape(-1, LANES, k // 8, 2, 4)  # (P, 16, K/8, half, 4)
-            packed = octets[:, :, :, 0] | (octets[:, :, :, 1] << 4)                    # (P, 16, K/8, 4)
-            return packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES)              # (P, K/8, 64)
         # float16 scales and minimums: what GGUF, AWQ and GPTQ store; float32 would add a third to
         # the bytes a batch-1 decode streams per weight (4-bit weight + 2 x 32 bits per 32 weights)
-        return Int4Panels(_panels(n, (k // 8, 4 * LANES), torch.uint8, dot, alloc), per_panel(scale).half(),
-                          per_panel(minimum).half(), n, dot=True)
+        return Int4Panels(_panels(n, (k // 8, 4 * LANES), torch.uint8, lambda r0, r1: int4_dot_panels(q[r0:r1]), alloc),
+                          per_panel(scale).half(), per_panel(minimum).half(), n, dot=True)
 
     def pairs(r0: int, r1: int) -> torch.Tensor:
         qp = _pad_rows(q[r0:r1].to(torch.uint8))
@@ -170,10 +194,8 @@ def pack_int8(q: torch.Tensor, scale: torch.Tensor, alloc=None) -> Int8Panels:
         raise ValueError(f"int8 panels need an even input dimension, got {k}.")
     s = _pad_rows(scale.float().reshape(n, 1)).reshape(-1).contiguous()
     if dot_layout() and k % 32 == 0:
-        def quads(r0: int, r1: int) -> torch.Tensor:
-            u = (_pad_rows(q[r0:r1].to(torch.int16)) + 128).to(torch.uint8)          # (Np, K) unsigned
-            return u.reshape(-1, LANES, k // 4, 4).transpose(1, 2).reshape(-1, k // 4, 4 * LANES)  # (P, K/4, 64)
-        return Int8Panels(_panels(n, (k // 4, 4 * LANES), torch.uint8, quads, alloc), s, n, dot=True)
+        return Int8Panels(_panels(n, (k // 4, 4 * LANES), torch.uint8, lambda r0, r1: int8_dot_panels(q[r0:r1]), alloc),
+                          s, n, dot=True)
 
     def cols(r0: int, r1: int) -> torch.Tensor:
         return _pad_rows(q[r0:r1].to(torch.int8)).reshape(-1, LANES, k).transpose(1, 2)  # (P, K, 16)
@@ -190,6 +212,7 @@ class Q4KPanels:
     out_features: int
     act_bits: int = 16
     segment: int = 0
+    qh: torch.Tensor | None = None  # Q5_K: q's fifth bits, uint8 (P, K/32, 64) (fifth_bit_panels)
 
 
 @dataclass
@@ -222,7 +245,7 @@ def int4_linear(x: torch.Tensor, w: Int4Panels, partial: bool = False) -> torch.
     otherwise)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if w.dot:
-        y = torch.ops.tokenmill.int4_linear_dot(x2, w.q, w.s, w.m, w.out_features, w.act_bits, w.segment, partial)
+        y = torch.ops.tokenmill.int4_linear_dot(x2, w.q, w.s, w.m, w.out_features, w.act_bits, w.segment, partial, w.qh)
     else:
         y = torch.ops.tokenmill.int4_linear(x2, w.q, w.s, w.m, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
@@ -239,7 +262,7 @@ def int8_linear(x: torch.Tensor, w: Int8Panels, partial: bool = False) -> torch.
 
 def q4k_linear(x: torch.Tensor, w: Q4KPanels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tokenmill.q4k_linear_dot(x2, w.q, w.sm, w.dd, w.out_features, w.act_bits, w.segment, partial)
+    y = torch.ops.tokenmill.q4k_linear_dot(x2, w.q, w.sm, w.dd, w.out_features, w.act_bits, w.segment, partial, w.qh)
     return y.view(*x.shape[:-1], w.out_features)
 
 

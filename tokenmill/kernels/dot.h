@@ -217,6 +217,19 @@ inline __m256i quad_sums(__m256i acc) { return _mm256_madd_epi16(acc, _mm256_set
 inline __m256i dot_pairs(__m256i acc, __m256i w, __m256i x) { return _mm256_add_epi32(acc, _mm256_madd_epi16(w, x)); }
 #endif
 
+// two octets of up to 6-bit weights times x's int8 into int32: VPMADDUBSW's pairs (63 x 128 x 2 each)
+// add up to 32,256 over the two, within int16; VPMADDWD by ones widens them (Q6_K, the 5-bit tiles)
+#if defined(__AVXVNNI__)
+inline __m256i dot_wide(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, x0), hi, x1);
+}
+#else
+inline __m256i dot_wide(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
 inline __m256 load_half8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // y[r, 8u + i] (8 lanes of output half u): all 8, a prefix, or none of a partial last panel

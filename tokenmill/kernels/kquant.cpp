@@ -1,6 +1,7 @@
 // GGUF Q6_K at its own width: w = d sc (q - 32) with q = lo | hi << 4 in 0..63, one signed 8-bit
 // scale sc per 16 inputs and a float16 d per 256 (a super-block), exactly as the file stores them.
-// (Q4_K runs on the int4 tiles of linear.cpp with its super-block scales: KScales.)
+// (Q4_K and Q5_K run on the int4 tiles of linear.cpp with their super-block scales, KScales; Q5_K
+// adds a plane of fifth bits. Their transcoding is here, q45k_pack.)
 //
 // Layout, 16-row panels like the other dot weights (kernels/__init__.py packs it):
 //   ql  uint8 (P, K/8, 64)    the low nibbles in the int4 dot layout: byte [p, o, i*4 + j] =
@@ -92,19 +93,6 @@ inline __m256i highs(__m256i h, int o, __m256i mask) {
   const __m256i v = o == 0 ? _mm256_slli_epi16(h, 4) : o == 1 ? _mm256_slli_epi16(h, 2) : o == 2 ? h : _mm256_srli_epi16(h, 2);
   return _mm256_and_si256(v, mask);
 }
-// two octets of 6-bit weights times x's int8 into int32: VPMADDUBSW's pairs (63 x 128 x 2 each) add
-// up to 32,256 over the two, within int16; VPMADDWD by ones widens them
-#if defined(__AVXVNNI__)
-inline __m256i dot6(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
-  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(acc, lo, x0), hi, x1);
-}
-#else
-inline __m256i dot6(__m256i acc, __m256i lo, __m256i x0, __m256i hi, __m256i x1) {
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
-
 template <int MT, int NU, bool W>
 __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
                                             const int8_t* sc, const at::Half* d, YOut y, int nvalid) {
@@ -140,10 +128,10 @@ __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment,
             for (int r = 0; r < MT; ++r) {
               const int64_t at = r * K + b * 32 + o * 8;
               const __m256i x0 = bcast4(x.h + at), x1 = bcast4(x.h + at + 4);
-              for (int u = 0; u < NU; ++u) hacc[r][u] = dot6(hacc[r][u], lo[u], x0, hi[u], x1);
+              for (int u = 0; u < NU; ++u) hacc[r][u] = dot_wide(hacc[r][u], lo[u], x0, hi[u], x1);
               if constexpr (W) {
                 const __m256i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
-                for (int u = 0; u < NU; ++u) lacc[r][u] = dot6(lacc[r][u], lo[u], l0, hi[u], l1);
+                for (int u = 0; u < NU; ++u) lacc[r][u] = dot_wide(lacc[r][u], lo[u], l0, hi[u], l1);
               }
             }
           }
@@ -222,7 +210,7 @@ inline uint32_t load32(const uint8_t* p) {
   return v;
 }
 inline void store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
-constexpr uint32_t kNib = 0x0F0F0F0Fu, kTwo = 0x03030303u;
+constexpr uint32_t kNib = 0x0F0F0F0Fu, kTwo = 0x03030303u, kOne = 0x01010101u;
 
 int64_t check_raw(const at::Tensor& raw, int64_t block_bytes) {
   TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.size(1) % block_bytes == 0,
@@ -237,13 +225,21 @@ void check_out(const at::Tensor& t, int64_t P, at::ScalarType dtype, const char*
 
 // Rows [row0, row0 + raw.size(0)) of the weight (row0 a multiple of 16) into panels from row0 / 16 of
 // the full-size outputs; rows past the raw rows are zeros (a partial last panel).
-void q4k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd, int64_t row0) {
-  const int64_t SB = check_raw(raw, 144), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1), p0 = row0 / 16;
+// Q4_K and Q5_K share the super-block's head (d, dmin, 12 bytes of 6-bit scales and mins) and the
+// nibbles' order; Q5_K's 32 bytes before the nibbles hold the fifth bits (weight 32g + t: bit g of
+// byte t), moved into qh (P, K/32, 64) as linear.cpp's 5-bit tiles read them.
+void q45k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd, const at::Tensor* qh, int64_t row0) {
+  const int64_t bytes = qh ? 176 : 144, nib = qh ? 48 : 16;
+  const int64_t SB = check_raw(raw, bytes), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1), p0 = row0 / 16;
   TORCH_CHECK(row0 % 16 == 0, "row0 must start a panel");
   check_out(q, p0 + P, at::kByte, "q"), check_out(sm, p0 + P, at::kByte, "sm"), check_out(dd, p0 + P, at::kHalf, "dd");
   TORCH_CHECK(q.size(1) == K / 8 && sm.size(1) == K / 32 && dd.size(1) == SB, "outputs do not match ", K, " inputs");
+  if (qh) {
+    check_out(*qh, p0 + P, at::kByte, "qh");
+    TORCH_CHECK(qh->size(1) == K / 32 && qh->size(2) == 64, "qh must be (P, K/32, 64)");
+  }
   const uint8_t* src = raw.data_ptr<uint8_t>();
-  uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>();
+  uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>(), *hp = qh ? qh->data_ptr<uint8_t>() : nullptr;
   uint16_t* ddp = reinterpret_cast<uint16_t*>(dd.data_ptr<at::Half>());
   at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
     for (int64_t lp = a; lp < b; ++lp)
@@ -252,14 +248,17 @@ void q4k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd,
         uint16_t* dpan = ddp + (p * SB + s) * 32;
         uint8_t* span = smp + (p * K / 32 + s * 8) * 32;
         uint8_t* qpan = qp + (p * K / 8 + s * 32) * 64;
+        uint8_t* hpan = hp ? hp + (p * K / 32 + s * 8) * 64 : nullptr;
         for (int i = 0; i < 16; ++i) {
           if (lp * 16 + i >= N) {  // padding rows: zeros
             dpan[i] = dpan[16 + i] = 0;
             for (int g = 0; g < 8; ++g) span[g * 32 + i] = span[g * 32 + 16 + i] = 0;
             for (int o = 0; o < 32; ++o) store32(qpan + o * 64 + i * 4, 0);
+            if (hpan)
+              for (int g = 0; g < 8; ++g) store32(hpan + g * 64 + i * 4, 0);
             continue;
           }
-          const uint8_t* blk = src + (lp * 16 + i) * rb + s * 144;
+          const uint8_t* blk = src + (lp * 16 + i) * rb + s * bytes;
           uint16_t d, dmin;
           std::memcpy(&d, blk, 2), std::memcpy(&dmin, blk + 2, 2);
           dpan[i] = d, dpan[16 + i] = dmin ^ 0x8000;  // -dmin, exactly
@@ -268,15 +267,30 @@ void q4k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd,
             span[g * 32 + i] = g < 4 ? sc[g] & 63 : (sc[g + 4] & 15) | ((sc[g - 4] >> 2) & 48);
             span[g * 32 + 16 + i] = g < 4 ? sc[g + 4] & 63 : (sc[g + 4] >> 4) | ((sc[g] >> 2) & 48);
           }
-          // weight 64c + 32h + j is nibble h of byte 16 + 32c + j: octet o -> c = o / 8, h = o % 8 / 4
+          // weight 64c + 32h + j is nibble h of byte nib + 32c + j: octet o -> c = o / 8, h = o % 8 / 4
           for (int o = 0; o < 32; ++o) {
-            const uint8_t* at = blk + 16 + 32 * (o / 8) + 8 * (o % 4);
+            const uint8_t* at = blk + nib + 32 * (o / 8) + 8 * (o % 4);
             const int sh = 4 * (o % 8 / 4);
             store32(qpan + o * 64 + i * 4, ((load32(at) >> sh) & kNib) | ((load32(at + 4) >> sh) & kNib) << 4);
+          }
+          if (!hpan) continue;
+          // group g, octet o: weights 8o + j and 8o + 4 + j at bits o and 4 + o of byte [g, i*4 + j]
+          for (int g = 0; g < 8; ++g) {
+            uint32_t word = 0;
+            for (int o = 0; o < 4; ++o)
+              word |= ((load32(blk + 16 + 8 * o) >> g) & kOne) << o | ((load32(blk + 20 + 8 * o) >> g) & kOne) << (4 + o);
+            store32(hpan + g * 64 + i * 4, word);
           }
         }
       }
   });
+}
+
+void q4k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd, int64_t row0) {
+  q45k_pack(raw, q, sm, dd, nullptr, row0);
+}
+void q5k_pack(const at::Tensor& raw, at::Tensor q, at::Tensor sm, at::Tensor dd, at::Tensor qh, int64_t row0) {
+  q45k_pack(raw, q, sm, dd, &qh, row0);
 }
 
 void q6k_pack(const at::Tensor& raw, at::Tensor ql, at::Tensor qh, at::Tensor sc, at::Tensor d, int64_t row0) {
@@ -338,6 +352,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
         "bool partial=False) -> Tensor");
 #endif
   m.def("q4k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, int row0) -> ()");
+  m.def("q5k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, Tensor(d!) qh, int row0) -> ()");
   m.def("q6k_pack(Tensor raw, Tensor(a!) ql, Tensor(b!) qh, Tensor(c!) sc, Tensor(d!) d, int row0) -> ()");
 }
 
@@ -346,5 +361,6 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("q6k_linear_dot", &tokenmill::q6k_linear_dot);
 #endif
   m.impl("q4k_pack", &tokenmill::q4k_pack);
+  m.impl("q5k_pack", &tokenmill::q5k_pack);
   m.impl("q6k_pack", &tokenmill::q6k_pack);
 }

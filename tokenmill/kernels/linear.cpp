@@ -136,8 +136,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int8 weights must be int8 (P, K, 16)");
   const int64_t P = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 2 == 0, "K must be even");
-  TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
-              "scales must be float (P*16,)");
+  const bool grouped = s.dim() == 3;  // a scale per block of 32 inputs (GGUF Q8_0 and the lookup types)
+  if (grouped) check_panel(s, {P, K / 32, kLanes}, at::kFloat, "int8 block scales");
+  else TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
+                   "scales must be float (P*16,)");
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
@@ -158,6 +160,19 @@ namespace {
 constexpr bool kDot = true;
 
 #if defined(TOKENMILL_DOT512)
+// bit t of every byte -> bit 4 (16-bit shifts: what crosses into the neighbour byte is masked off after)
+inline __m512i fifth_bit(__m512i h, int t) {
+  switch (t) {
+    case 0: return _mm512_slli_epi16(h, 4);
+    case 1: return _mm512_slli_epi16(h, 3);
+    case 2: return _mm512_slli_epi16(h, 2);
+    case 3: return _mm512_slli_epi16(h, 1);
+    case 4: return h;
+    case 5: return _mm512_srli_epi16(h, 1);
+    case 6: return _mm512_srli_epi16(h, 2);
+    default: return _mm512_srli_epi16(h, 3);
+  }
+}
 
 // Where an int4 tile's per-group scale s and minimum m come from (w = q s + m):
 // HalfScales: float16 s and m per group (Q4_0, Q4_1, AWQ, GPTQ), (P, G, 16) each.
@@ -185,11 +200,13 @@ struct KScales {
 };
 
 // int4: per (row, panel) an int32 chain of weights times h and, for 16-bit x (W), one times l.
-template <int MT, int NP, bool W, class S>
+// H: 5-bit weights (Q5_0, Q5_1, Q5_K), the nibbles' fifth bits from a plane of one bit per weight
+// (qh, see fifth_bit), OR'ed in as bit 4: the same products on 0..31.
+template <int MT, int NP, bool W, class S, bool H = false>
 __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, int64_t segment, const uint8_t* q, S sc,
-                                             YOut y, int nvalid_last) {
-  const int64_t nb = K / 32, ng = K / group, bpg = group / 32, gps = segment / group, qstride = K * 8;
-  const __m512i low = _mm512_set1_epi8(0x0F);
+                                             YOut y, int nvalid_last, const uint8_t* qh = nullptr) {
+  const int64_t nb = K / 32, ng = K / group, bpg = group / 32, gps = segment / group, qstride = K * 8, hstride = K * 2;
+  const __m512i low = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
   Sum16 sum[MT][NP];
   for (int64_t g0 = 0; g0 < ng; g0 += gps) {
     v16f acc[MT][NP];
@@ -202,13 +219,20 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
         __m512i hacc[MT][NP], lacc[MT][NP];
         for (int r = 0; r < MT; ++r)
           for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
-        for (int64_t o = 0; o < 4; ++o) {
+        __m512i hb[NP];
+        if constexpr (H)
+          for (int j = 0; j < NP; ++j) hb[j] = _mm512_loadu_si512(qh + j * hstride + b * 64);
+        for (int o = 0; o < 4; ++o) {
           __m512i lo[NP], hi[NP];
           for (int j = 0; j < NP; ++j) {
             const uint8_t* qj = q + j * qstride + (b * 4 + o) * 64;
             prefetch_ahead(qj);
             const __m512i v = _mm512_loadu_si512(qj);
             lo[j] = _mm512_and_si512(v, low), hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            if constexpr (H) {
+              lo[j] = _mm512_or_si512(lo[j], _mm512_and_si512(fifth_bit(hb[j], o), bit4));
+              hi[j] = _mm512_or_si512(hi[j], _mm512_and_si512(fifth_bit(hb[j], o + 4), bit4));
+            }
           }
           for (int r = 0; r < MT; ++r) {
             const int64_t at = r * K + b * 32 + o * 8;
@@ -240,11 +264,12 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
     for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
 }
 
-// int8: (q + 128) . xq - 128 sum(xq) per block of 32; each segment's sum scaled per output row.
-template <int MT, int NP, bool W>
+// int8: (q + 128) . xq - 128 sum(xq) per block of 32; each segment's sum scaled per output row, or
+// (G: GGUF Q8_0, IQ4_NL, IQ4_XS, MXFP4) each block's by its own scale, float32 (P, K/32, 16).
+template <int MT, int NP, bool W, bool G = false>
 __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
                                              int nvalid_last) {
-  const int64_t nb = K / 32, bps = segment / 32, qstride = K * kLanes;
+  const int64_t nb = K / 32, bps = segment / 32, qstride = K * kLanes, sstride = G ? K / 2 : kLanes;
   Sum16 sum[MT][NP];
   for (int64_t b0 = 0; b0 < nb; b0 += bps) {
     v16f acc[MT][NP];
@@ -276,12 +301,14 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment
         const float d = x.d[r * nb + b];
         for (int j = 0; j < NP; ++j) {
           const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
-          acc[r][j] += v16f(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias))) * d;
+          const v16f prod = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias));
+          if constexpr (G) acc[r][j] += prod * (load(s + j * sstride + b * kLanes) * d);
+          else acc[r][j] += prod * d;
         }
       }
     }
-    for (int r = 0; r < MT; ++r)
-      for (int j = 0; j < NP; ++j) sum[r][j].add(acc[r][j] * load(s + j * kLanes));  // scaled as a whole sum would be
+    for (int r = 0; r < MT; ++r)  // scaled as a whole sum would be
+      for (int j = 0; j < NP; ++j) sum[r][j].add(G ? acc[r][j] : acc[r][j] * load(s + j * sstride));
   }
   for (int r = 0; r < MT; ++r)
     for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
@@ -319,11 +346,27 @@ struct KScales {
   }
 };
 
-template <int MT, int NU, bool W, class S>
+// bit t of every byte -> bit 4, as the AVX-512 fifth_bit
+inline __m256i fifth_bit(__m256i h, int t) {
+  switch (t) {
+    case 0: return _mm256_slli_epi16(h, 4);
+    case 1: return _mm256_slli_epi16(h, 3);
+    case 2: return _mm256_slli_epi16(h, 2);
+    case 3: return _mm256_slli_epi16(h, 1);
+    case 4: return h;
+    case 5: return _mm256_srli_epi16(h, 1);
+    case 6: return _mm256_srli_epi16(h, 2);
+    default: return _mm256_srli_epi16(h, 3);
+  }
+}
+
+// H (5-bit weights): VPMADDUBSW's pairs reach 2 x 31 x 128, so the int16 sums are widened per octet
+// (dot_wide) instead of once per block; AVX-VNNI adds into int32 either way.
+template <int MT, int NU, bool W, class S, bool H = false>
 __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, int64_t segment, const uint8_t* q, S sc,
-                                             YOut y, int nvalid) {
+                                             YOut y, int nvalid, const uint8_t* qh = nullptr) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32, gps = segment / group;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
   for (int u0 = 0; u0 < 2; u0 += NU) {
     Sum8 sum[MT][NU];
     for (int64_t g0 = 0; g0 < ng; g0 += gps) {
@@ -338,29 +381,38 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
           __m256i hacc[MT][NU], lacc[MT][NU];
           for (int r = 0; r < MT; ++r)
             for (int u = 0; u < NU; ++u) hacc[r][u] = lacc[r][u] = _mm256_setzero_si256();
-          for (int64_t o = 0; o < 4; ++o) {
+          __m256i hb[NU];
+          if constexpr (H)
+            for (int u = 0; u < NU; ++u) hb[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 64 + (u0 + u) * 32));
+          for (int o = 0; o < 4; ++o) {
             const uint8_t* qo = q + (b * 4 + o) * 64;
             if (u0 == 0) prefetch_ahead(qo);
             __m256i lo[NU], hi[NU];
             for (int u = 0; u < NU; ++u) {
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + (u0 + u) * 32));
               lo[u] = _mm256_and_si256(v, low), hi[u] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+              if constexpr (H) {
+                lo[u] = _mm256_or_si256(lo[u], _mm256_and_si256(fifth_bit(hb[u], o), bit4));
+                hi[u] = _mm256_or_si256(hi[u], _mm256_and_si256(fifth_bit(hb[u], o + 4), bit4));
+              }
             }
             for (int r = 0; r < MT; ++r) {
               const int64_t at = r * K + b * 32 + o * 8;
               const __m256i h0 = bcast4(x.h + at), h1 = bcast4(x.h + at + 4);
-              for (int u = 0; u < NU; ++u) hacc[r][u] = dot_quads(dot_quads(hacc[r][u], lo[u], h0), hi[u], h1);
+              for (int u = 0; u < NU; ++u)
+                hacc[r][u] = H ? dot_wide(hacc[r][u], lo[u], h0, hi[u], h1) : dot_quads(dot_quads(hacc[r][u], lo[u], h0), hi[u], h1);
               if constexpr (W) {
                 const __m256i l0 = bcast4(x.l + at), l1 = bcast4(x.l + at + 4);
-                for (int u = 0; u < NU; ++u) lacc[r][u] = dot_quads(dot_quads(lacc[r][u], lo[u], l0), hi[u], l1);
+                for (int u = 0; u < NU; ++u)
+                  lacc[r][u] = H ? dot_wide(lacc[r][u], lo[u], l0, hi[u], l1) : dot_quads(dot_quads(lacc[r][u], lo[u], l0), hi[u], l1);
               }
             }
           }
           for (int r = 0; r < MT; ++r) {
             const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
             for (int u = 0; u < NU; ++u) {
-              const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(quad_sums(hacc[r][u]), 8), quad_sums(lacc[r][u]))
-                                    : quad_sums(hacc[r][u]);
+              const __m256i hs = H ? hacc[r][u] : quad_sums(hacc[r][u]);
+              const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(hs, 8), H ? lacc[r][u] : quad_sums(lacc[r][u])) : hs;
               acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw[u], d), acc[r][u]);
             }
           }
@@ -378,7 +430,7 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
 
 // int8: the 64 bytes of an input quad hold 4 outputs per 16 bytes, widened to 16 int16 lanes
 // (output, input) whose VPMADDWD with x's 4 inputs leaves 2 int32 lanes per output.
-template <int MT, int NU, bool W>
+template <int MT, int NU, bool W, bool G = false>
 __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
                                              int nvalid) {
   const int64_t nb = K / 32, bps = segment / 32;
@@ -412,12 +464,13 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment
           const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
           for (int u = 0; u < NU; ++u) {  // hadd: [o0 o1 o4 o5 | o2 o3 o6 o7] -> in order
             const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(iacc[r][u][0], iacc[r][u][1]), 0xD8);
-            acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), d, acc[r][u]);
+            const __m256 ds = G ? _mm256_mul_ps(_mm256_loadu_ps(s + b * kLanes + (u0 + u) * 8), d) : d;
+            acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), ds, acc[r][u]);
           }
         }
       }
       for (int r = 0; r < MT; ++r)  // scaled as a whole sum would be
-        for (int u = 0; u < NU; ++u) sum[r][u].add(_mm256_mul_ps(acc[r][u], _mm256_loadu_ps(s + (u0 + u) * 8)));
+        for (int u = 0; u < NU; ++u) sum[r][u].add(G ? acc[r][u] : _mm256_mul_ps(acc[r][u], _mm256_loadu_ps(s + (u0 + u) * 8)));
     }
     for (int r = 0; r < MT; ++r)
       for (int u = 0; u < NU; ++u) sum[r][u].put(y.at(r, 0), (u0 + u) * 8, nvalid - (u0 + u) * 8);
@@ -440,11 +493,25 @@ DOT_TILE_ADAPTER(Q4KDot16Tile, int4_dot_tile<MT, NP, true, KScales>)
 DOT_TILE_ADAPTER(Q4KDot8Tile, int4_dot_tile<MT, NP, false, KScales>)
 DOT_TILE_ADAPTER(Int8Dot16Tile, int8_dot_tile<MT, NP, true>)
 DOT_TILE_ADAPTER(Int8Dot8Tile, int8_dot_tile<MT, NP, false>)
+DOT_TILE_ADAPTER(Int5Dot16Tile, int4_dot_tile<MT, NP, true, HalfScales, true>)
+DOT_TILE_ADAPTER(Int5Dot8Tile, int4_dot_tile<MT, NP, false, HalfScales, true>)
+DOT_TILE_ADAPTER(Q5KDot16Tile, int4_dot_tile<MT, NP, true, KScales, true>)
+DOT_TILE_ADAPTER(Q5KDot8Tile, int4_dot_tile<MT, NP, false, KScales, true>)
+DOT_TILE_ADAPTER(Int8GDot16Tile, int8_dot_tile<MT, NP, true, true>)
+DOT_TILE_ADAPTER(Int8GDot8Tile, int8_dot_tile<MT, NP, false, true>)
 
 }  // namespace
 
+// The 5-bit types' plane of fifth bits, uint8 (P, K/32, 64): byte [p, b, i*4 + j] holds bit 4 of
+// q[16p+i, 32b + 8o + j] at bit o and of q[16p+i, 32b + 8o + 4 + j] at bit 4 + o (octets o = 0..3).
+const uint8_t* fifth_bits(const c10::optional<at::Tensor>& qh, int64_t P, int64_t K) {
+  if (!qh || !qh->defined()) return nullptr;
+  check_panel(*qh, {P, K / 32, 64}, at::kByte, "5-bit weights' fifth bits");
+  return qh->data_ptr<uint8_t>();
+}
+
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
-                           int64_t N, int64_t bits, int64_t segment, bool partial) {
+                           int64_t N, int64_t bits, int64_t segment, bool partial, const c10::optional<at::Tensor>& qh) {
   check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "int4 dot weights must be uint8 (P, K/8, 64)");
@@ -457,7 +524,7 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   segment = check_segment(segment, K, group);
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16, kHalves);
   at::Tensor y = output(x, N, partial);
-  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const uint8_t *qp = q.data_ptr<uint8_t>(), *hp = fifth_bits(qh, P, K);
   const at::Half *sp = s.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
@@ -465,14 +532,16 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
     const uint8_t* qt = qp + p * K * 8;
     const HalfScales sc{sp + p * G * kLanes, mp + p * G * kLanes, G * kLanes};
     const YOut yt = out_at(y, r, p * kLanes);
-    if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid);
+    if (hp && bits == 16) dispatch_dot<Int5Dot16Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid, hp + p * K * 2);
+    else if (hp) dispatch_dot<Int5Dot8Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid, hp + p * K * 2);
+    else if (bits == 16) dispatch_dot<Int4Dot16Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid);
     else dispatch_dot<Int4Dot8Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid);
   });
   return y;
 }
 
 at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm, const at::Tensor& dd,
-                          int64_t N, int64_t bits, int64_t segment, bool partial) {
+                          int64_t N, int64_t bits, int64_t segment, bool partial, const c10::optional<at::Tensor>& qh) {
   check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "Q4_K weights must be uint8 (P, K/8, 64)");
@@ -486,15 +555,18 @@ at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Te
   segment = check_segment(segment, K, 256);
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16, kHalves);
   at::Tensor y = output(x, N, partial);
-  const uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>();
+  const uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>(), *hp = fifth_bits(qh, P, K);
   const at::Half* ddp = dd.data_ptr<at::Half>();
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const KScales sc{smp + p * K, ddp + p * (K / 8), K, K / 8};
     const YOut yt = out_at(y, r, p * kLanes);
-    if (bits == 16) dispatch_dot<Q4KDot16Tile>(rows, np, xr, K, group, segment, qp + p * K * 8, sc, yt, nvalid);
-    else dispatch_dot<Q4KDot8Tile>(rows, np, xr, K, group, segment, qp + p * K * 8, sc, yt, nvalid);
+    const uint8_t* qt = qp + p * K * 8;
+    if (hp && bits == 16) dispatch_dot<Q5KDot16Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid, hp + p * K * 2);
+    else if (hp) dispatch_dot<Q5KDot8Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid, hp + p * K * 2);
+    else if (bits == 16) dispatch_dot<Q4KDot16Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid);
+    else dispatch_dot<Q4KDot8Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid);
   });
   return y;
 }
@@ -506,8 +578,10 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
               "int8 dot weights must be uint8 (P, K/4, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 4;
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
-              "scales must be float (P*16,)");
+  const bool grouped = s.dim() == 3;  // a scale per block of 32 inputs (GGUF Q8_0 and the lookup types)
+  if (grouped) check_panel(s, {P, K / 32, kLanes}, at::kFloat, "int8 block scales");
+  else TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
+                   "scales must be float (P*16,)");
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0);
@@ -521,7 +595,9 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
     const XRows xr = rows_at(xq, r, K, 0);
     const uint8_t* qt = qp + p * K * kLanes;
     const YOut yt = out_at(y, r, p * kLanes);
-    if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
+    if (grouped && bits == 16) dispatch_dot<Int8GDot16Tile>(rows, np, xr, K, segment, qt, sp + p * K / 2, yt, nvalid);
+    else if (grouped) dispatch_dot<Int8GDot8Tile>(rows, np, xr, K, segment, qt, sp + p * K / 2, yt, nvalid);
+    else if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
     else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
   });
   return y;
@@ -542,9 +618,11 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
 #ifdef TOKENMILL_DOT
-  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits, int segment=0, bool partial=False) -> Tensor");
+  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits, int segment=0, bool partial=False, "
+        "Tensor? qh=None) -> Tensor");
   m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N, int bits, int segment=0, bool partial=False) -> Tensor");
-  m.def("q4k_linear_dot(Tensor x, Tensor q, Tensor sm, Tensor dd, int N, int bits, int segment=0, bool partial=False) -> Tensor");
+  m.def("q4k_linear_dot(Tensor x, Tensor q, Tensor sm, Tensor dd, int N, int bits, int segment=0, bool partial=False, "
+        "Tensor? qh=None) -> Tensor");
 #endif
 }
 

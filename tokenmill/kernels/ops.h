@@ -27,13 +27,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #ifdef TOKENMILL_DOT
 // segment: inputs per float32 partial sum (0: all), summed in float64 (linear.cpp); partial: return
 // those float64 sums (a row-parallel rank's share, added over the ranks before rounding)
+// qh: the fifth bits of 5-bit weights (GGUF Q5_0/Q5_1 with int4_linear_dot, Q5_K with q4k_linear_dot)
 at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
-                           int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
+                           int64_t N, int64_t bits, int64_t segment = 0, bool partial = false,
+                           const c10::optional<at::Tensor>& qh = c10::nullopt);
 at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits,
                            int64_t segment = 0, bool partial = false);
 // GGUF K-quants at their own width (Q4_K: linear.cpp, Q6_K: kquant.cpp; layouts in kernels/__init__.py)
 at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm, const at::Tensor& dd,
-                          int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
+                          int64_t N, int64_t bits, int64_t segment = 0, bool partial = false,
+                          const c10::optional<at::Tensor>& qh = c10::nullopt);
 at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                           const at::Tensor& d, int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
 #endif

@@ -28,6 +28,7 @@ enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 struct Projection {
   int64_t kind = kFloat, n = 0, bits = 16, float_min_rows = 0, segment = 0;
   at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight; kQ4K: q, sm, dd; kQ6K: ql, qh, sc (+ e: d)
+                              // e of kInt4Dot / kQ4K: the fifth bits of 5-bit weights (Q5_0/Q5_1, Q5_K)
   at::Tensor bias, perm, fw;  // optional: bias (N,), input order (K,) of act-order GPTQ, float copy
   at::Tensor e;
   std::vector<Projection> parts;  // kStack
@@ -50,9 +51,9 @@ struct Projection {
       case kInt4: y = int4_linear(xi, q, s, m, n); break;
       case kInt8: y = int8_linear(xi, q, s, n); break;
 #ifdef TOKENMILL_DOT
-      case kInt4Dot: y = int4_linear_dot(xi, q, s, m, n, bits, segment, partial); break;
+      case kInt4Dot: y = int4_linear_dot(xi, q, s, m, n, bits, segment, partial, e); break;
       case kInt8Dot: y = int8_linear_dot(xi, q, s, n, bits, segment, partial); break;
-      case kQ4K: y = q4k_linear_dot(xi, q, s, m, n, bits, segment, partial); break;
+      case kQ4K: y = q4k_linear_dot(xi, q, s, m, n, bits, segment, partial, e); break;
       case kQ6K: y = q6k_linear_dot(xi, q, s, m, e, n, bits, segment, partial); break;
 #endif
       default: TORCH_CHECK(false, "unknown projection kind ", kind);

@@ -267,7 +267,7 @@ class Linear(nn.Module):
                 if w.panels is None:
                     continue
                 w.panels.act_bits = activation_bits
-                unit = w.group_size if isinstance(w, int4.Int4Weight) else 256 if isinstance(w, kquant.KQuantWeight) else 32
+                unit = w.group_size if isinstance(w, int4.Int4Weight) else kquant.unit(w.kind) if isinstance(w, kquant.KQuantWeight) else 32
                 perm = self.input_perm is not None  # permuted inputs: slices are not runs of them
                 w.panels.segment = 0 if perm else reduction_segment(self.in_features, unit, row_bounds)
             self.float_weight = self.weight.data if keep_float else None

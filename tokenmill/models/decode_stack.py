@@ -18,7 +18,6 @@ from tokenmill import kernels
 from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear, RowStack, leaf_weights
 from tokenmill.models.llama import CausalLM
 from tokenmill.models.moe import SparseMoE
-from tokenmill.quant import int4, int8
 
 logger = logging.getLogger(__name__)
 
@@ -91,13 +90,13 @@ def _add(stack, proj: Linear) -> None:
 def _weight_args(q) -> tuple:
     """(stack.cpp kind, its four tensors, the panels) of a quantized weight."""
     p = q.panels
-    if isinstance(q, int4.Int4Weight):
-        return (3 if p.dot else 1), (p.q, p.s, p.m, None), p
-    if isinstance(q, int8.Int8Weight):
+    if isinstance(p, kernels.Int4Panels):  # int4, or GGUF Q5_0/Q5_1 with their fifth bits
+        return (3 if p.dot else 1), (p.q, p.s, p.m, p.qh), p
+    if isinstance(p, kernels.Int8Panels):  # per-channel int8, or GGUF Q8_0 and the lookup types
         return (4 if p.dot else 2), (p.q, p.s, None, None), p
-    if q.kind == "Q4_K":
-        return 5, (p.q, p.sm, p.dd, None), p
-    return 6, (p.ql, p.qh, p.sc, p.d), p
+    if isinstance(p, kernels.Q4KPanels):  # Q4_K, Q5_K
+        return 5, (p.q, p.sm, p.dd, p.qh), p
+    return 6, (p.ql, p.qh, p.sc, p.d), p  # Q6_K, Q3_K
 
 
 def _unsupported(model: CausalLM) -> str | None:

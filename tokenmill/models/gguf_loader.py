@@ -18,7 +18,7 @@ from tokenmill.models.gguf_header import read_header
 from tokenmill.quant.gguf_tensor import FLOAT_TYPES, open_tensor, read_float
 
 SUPPORTED_TYPES = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -82,14 +82,14 @@ class GGUFFile:
 
     def footprint(self) -> list[tuple[str, int, str]]:
         """(hf name, elements, kind) of every tensor the model loads, kind float, q4 (Q4_0/Q4_1,
-        kept as int4) or block (other block types): what the memory check counts."""
+        kept as int4) or the block type's name: what the memory check counts."""
         out = []
         for name, t in self.tensors.items():
             hf = self._hf_name(name)
             if hf is not None:
                 kind = t.tensor_type.name
                 out.append((hf, int(t.n_elements), "float" if kind in FLOAT_TYPES else
-                            "q4" if kind in ("Q4_0", "Q4_1") else "block"))
+                            "q4" if kind in ("Q4_0", "Q4_1") else kind))
         return out
 
     def dense_layers(self) -> tuple[int, ...]:

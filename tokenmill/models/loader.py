@@ -24,6 +24,7 @@ from tokenmill.models.arch import ArchConfig
 from tokenmill.models.gguf_loader import GGUFFile, is_gguf
 from tokenmill.models.llama import CausalLM, load_weights
 from tokenmill.models.tokenizer import Tokenizer
+from tokenmill.quant import kquant
 
 
 @dataclass
@@ -173,7 +174,8 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
 def _check_fits(source: str, tensors: list[tuple[str, int, str]], arch: ArchConfig, plan: _Plan, device: torch.device,
                 tp_group) -> None:
     """`tensors`: (hf name, elements, kind) with kind float, q4 (4-bit blocks kept as int4) or
-    block (another quantized form: int8 in the kernels, or its own blocks for the embedding).
+    another quantized form (a GGUF block type at its own width, `kquant.PACKED_BYTES`, else int8 in
+    the kernels; its own blocks for the embedding).
     Tensor-parallel ranks share the host: rank 0 checks the whole model."""
     if device.type != "cpu" or (tp_group is not None and tp_group.rank != 0):
         return
@@ -186,7 +188,9 @@ def _check_fits(source: str, tensors: list[tuple[str, int, str]], arch: ArchConf
                 weights += n  # the tied head's int8 panels
         elif kind == "q4" and quantize:
             weights += n * 0.625 + (4 * n if plan.keep_float else 0)
-        elif (kind == "block" and quantize) or plan.policy in ("int8", "int4"):
+        elif kind in kquant.PACKED_BYTES and plan.policy in ("auto", *PREQUANTIZED):
+            weights += n * kquant.PACKED_BYTES[kind] + (4 * n if plan.keep_float else 0)
+        elif (kind != "float" and quantize) or plan.policy in ("int8", "int4"):
             weights += n * (0.625 if plan.policy == "int4" else 1) + (4 * n if plan.keep_float else 0)
         else:
             weights += 4 * n

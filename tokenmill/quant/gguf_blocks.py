@@ -1,9 +1,23 @@
-"""Exact decoding of GGUF 4-bit blocks into (q, scale, min) per 32-weight group, so they can be
-packed as int4 without re-quantizing.
+"""Exact decoding of GGUF's 32-weight block types into integers and per-block scales, so that they
+are packed for the kernels without rounding anything again (vectorized numpy: the loader's step
+for these types; the K-quants' super-blocks are moved by kquant.cpp instead).
 
-    Q4_0 block, 18 bytes: d (fp16) | 16 bytes of nibbles      w = d * (q - 8)
-    Q4_1 block, 20 bytes: d (fp16) | m (fp16) | 16 bytes      w = d * q + m
-    nibbles: byte j holds value j in its low half and value j + 16 in its high half
+    Q4_0   18 bytes: d (fp16) | 16 bytes of nibbles                 w = d (q - 8)
+    Q4_1   20 bytes: d | m (fp16) | 16 bytes                         w = d q + m
+    Q5_0   22 bytes: d | 4 bytes of fifth bits | 16 bytes            w = d (q - 16)
+    Q5_1   24 bytes: d | m | 4 bytes of fifth bits | 16 bytes        w = d q + m
+    Q8_0   34 bytes: d | 32 int8                                     w = d q
+    IQ4_NL 18 bytes: d | 16 bytes of nibbles                         w = d T[q], T a 16-entry int8 table
+    MXFP4  17 bytes: e (E8M0) | 16 bytes                             w = 2^(e-128) F[q], F = 2 x FP4 (E2M1)
+    IQ4_XS 136 bytes per 256: d | 16-bit and 4 x 8-bit scale bits | 128 bytes of nibbles
+                                                                     w = d (ls - 32) T[q], 6-bit ls per 32
+    nibbles: byte j of a block holds value j in its low half and value j + 16 in its high half;
+    fifth bits: bit j of the little-endian 32-bit word is value j's bit 4.
+
+Each lookup type's weights are an int8 value times a float32 scale per 32 inputs, exactly (an
+IQ4_XS scale is a float16 times a 6-bit integer; an MXFP4 scale a power of two), so they run on
+the int8 kernel with block scales. Q3_K is rewritten as Q6_K (`q3k_as_q6k`): its w = d (sc - 32)
+(q - 4) is Q6_K's d sc' (q' - 32) with sc' = sc - 32 and q' = q + 28, bits moved, nothing rounded.
 """
 from __future__ import annotations
 
@@ -11,18 +25,88 @@ import numpy as np
 import torch
 
 GROUP = 32
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+FIVE_BIT = ("Q5_0", "Q5_1")
+INT8_VALUED = ("Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 -> float32 (...)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(..., 16) bytes -> (..., 32) values 0..15."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
 def decode(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """raw: uint8 (rows, bytes per row) -> q uint8 (rows, cols), scale and min float32 (rows, cols/32)."""
+    """Q4_0/Q4_1/Q5_0/Q5_1 raw uint8 (rows, bytes per row) -> q uint8 (rows, cols) in 0..15 (0..31
+    for Q5), scale and min float32 (rows, cols/32): w = q scale + min, exactly."""
     rows = raw.shape[0]
-    head = 2 if kind == "Q4_0" else 4
-    blocks = raw.reshape(rows, cols // GROUP, head + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if kind == "Q4_0":
-        m = -8.0 * d
+    head = 2 if kind in ("Q4_0", "Q5_0") else 4
+    five = kind in FIVE_BIT
+    blocks = raw.reshape(rows, cols // GROUP, head + (4 if five else 0) + 16)
+    d = _f16(blocks[..., 0:2])
+    m = _f16(blocks[..., 2:4]) if head == 4 else (-16.0 if five else -8.0) * d
+    q = _nibbles(blocks[..., -16:])
+    if five:
+        qh = np.ascontiguousarray(blocks[..., head:head + 4]).view("<u4")[..., 0]
+        q |= (((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def decode_int8(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0/IQ4_NL/IQ4_XS/MXFP4 raw rows -> q int8 (rows, cols), scale float32 (rows, cols/32):
+    w = q scale, exactly."""
+    rows = raw.shape[0]
+    if kind == "Q8_0":
+        blocks = raw.reshape(rows, cols // GROUP, 34)
+        q, scale = np.ascontiguousarray(blocks[..., 2:]).view(np.int8), _f16(blocks[..., 0:2])
+    elif kind == "IQ4_NL":
+        blocks = raw.reshape(rows, cols // GROUP, 18)
+        q, scale = IQ4_VALUES[_nibbles(blocks[..., 2:])], _f16(blocks[..., 0:2])
+    elif kind == "MXFP4":
+        blocks = raw.reshape(rows, cols // GROUP, 17)
+        e = blocks[..., 0].astype(np.uint32)  # E8M0 halved: 2^(e - 128), subnormal below e = 2
+        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
+        q, scale = MXFP4_VALUES[_nibbles(blocks[..., 1:])], bits.view(np.float32)
+    elif kind == "IQ4_XS":
+        sb = raw.reshape(rows, cols // 256, 136)
+        d = _f16(sb[..., 0:2])
+        high = np.ascontiguousarray(sb[..., 2:4]).view("<u2")[..., 0]
+        ib = np.arange(8)
+        ls = ((sb[..., 4:8][..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15) | \
+             (((high[..., None] >> (2 * ib).astype(np.uint16)) & 3) << 4).astype(np.uint8)
+        scale = (d[..., None] * (ls.astype(np.float32) - 32)).reshape(rows, cols // GROUP)
+        q = IQ4_VALUES[_nibbles(sb[..., 8:].reshape(rows, cols // 256, 8, 16))]
     else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    nib = blocks[..., head:]
-    q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(rows, cols)
-    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m)
+        raise ValueError(f"{kind} is not an int8-valued block type")
+    return torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)), torch.from_numpy(np.ascontiguousarray(scale))
+
+
+def q3k_as_q6k(raw: np.ndarray) -> np.ndarray:
+    """Q3_K rows (110 bytes per 256) -> the same weights as Q6_K rows (210 bytes per 256).
+
+    Q3_K: hmask[32] | qs[64] | 12 bytes of 6-bit scales | d. Weight w: 2 bits (qs[32 (w/128) +
+    w%32] >> 2 ((w%128)/32)) & 3, minus 4 where bit w/32 of hmask[w%32] is clear; scale k of 16:
+    low 4 bits from byte k%8 (shift 4 (k/8)), high 2 from byte 8 + k%4 (shift 2 (k/4)), minus 32.
+    Q6_K: ql[128] | qh[64] | int8 scales[16] | d, weight w = 128h + r: low nibble r/64 of
+    ql[64h + r%64], high bits at 2 (r/32) of qh[32h + r%32]."""
+    rows = raw.shape[0]
+    sb = raw.reshape(rows, -1, 110)
+    n = sb.shape[1]
+    hmask, qs, sc, d = sb[..., :32], sb[..., 32:96], sb[..., 96:108], sb[..., 108:110]
+    low = (qs.reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3   # (.., h, t, r)
+    high = (hmask.reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1      # (.., w/32, r)
+    q6 = low.reshape(rows, n, 256) + 28 + 4 * high.reshape(rows, n, 256)  # (q - 4 + 4 hbit) + 32, in 28..35
+    k = np.arange(16)
+    ls = ((sc[..., k % 8] >> (4 * (k // 8)).astype(np.uint8)) & 15) | (((sc[..., 8 + k % 4] >> (2 * (k // 4)).astype(np.uint8)) & 3) << 4)
+    q6 = q6.reshape(rows, n, 2, 4, 32)                                    # (.., h, r/32, r%32)
+    nib = (q6 & 15).reshape(rows, n, 2, 2, 64)                            # (.., h, r/64, r%64)
+    ql = nib[..., 0, :] | (nib[..., 1, :] << 4)
+    qh = ((q6 >> 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)).sum(axis=3, dtype=np.uint8)
+    out = np.concatenate([ql.reshape(rows, n, 128), qh.reshape(rows, n, 64),
+                          (ls.astype(np.int16) - 32).astype(np.int8).view(np.uint8), d], axis=-1)
+    return np.ascontiguousarray(out.reshape(rows, n * 210))

@@ -1,31 +1,53 @@
-"""GGUF K-quants kept at their own bit width: Q4_K and Q6_K blocks transcoded into tokenmill's 16-row
-panels without rounding anything (kernels: Q4KPanels, Q6KPanels; kquant.cpp q4k_pack, q6k_pack),
-multiplied by the dot kernels.
+"""GGUF block types kept at their own width: each tensor's blocks transcoded into the 16-row panels
+of one of the dot kernels, without rounding anything (the weights multiplied are exactly
+`gguf.quants.dequantize`'s: every scale is a float16, a float16 times a small integer, or a power
+of two, all exact in float32). Q4_0/Q4_1 take the int4 path of `Linear` (quant/int4.py).
 
-Why a transcoding and not the file's bytes as they are: a GGUF row is a run of 256-weight
-super-blocks, one output at a time; the kernels want 16 outputs side by side per load, each input's
-weights next to each other. The transcoding moves bits, never values: the weights multiplied are
-exactly `gguf.quants.dequantize`'s (each scale is float16 times a small integer, exact in
-float32), in 0.578 (Q4_K, file 0.5625) and 0.8203 (Q6_K, the file's own) bytes per weight.
+Why a transcoding and not the file's bytes as they are: a GGUF row is a run of blocks, one output
+at a time; the kernels want 16 outputs side by side per load, each input's weights next to each
+other. The transcoding moves bits, never values.
+
+    kind            panels (kernels/)            bytes per weight (file)
+    Q4_K            Q4KPanels                    0.578  (0.5625)
+    Q5_K            Q4KPanels + fifth bits       0.703  (0.6875)
+    Q6_K            Q6KPanels                    0.820  (0.8203)
+    Q3_K            Q6KPanels (gguf_blocks.q3k_as_q6k: 3-bit values in the 6-bit form)
+                                                 0.820  (0.4297)
+    Q5_0, Q5_1      Int4Panels + fifth bits      0.750  (0.6875, 0.75)
+    Q8_0            Int8Panels, block scales     1.125  (1.0625)
+    IQ4_NL, IQ4_XS,
+    MXFP4           Int8Panels, block scales     1.125  (0.5625, 0.53, 0.53)
+
+Q3_K and the lookup types (IQ4_NL, IQ4_XS, MXFP4) are exact but wider than their files: they run
+on kernels made for wider weights. Q2_K is not here (its per-16 minimums fit none of the panels):
+it is rounded to int8 per channel by `Linear`.
 
     Q4_K super-block, 144 bytes: d, dmin (float16) | 12 bytes of 6-bit sc, mn for 8 groups of 32 |
           128 bytes of nibbles (byte 32c + j: weight 64c + j low, 64c + 32 + j high)
-          w = d sc q - dmin mn
+          w = d sc q - dmin mn          (Q5_K, 176 bytes: 32 bytes of fifth bits before the nibbles)
     Q6_K super-block, 210 bytes: 128 bytes of low nibbles | 64 of 2-bit highs | 16 int8 sc per 16
           weights | d (float16);  w = d sc (q - 32)
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from tokenmill import kernels
+from tokenmill.quant import gguf_blocks
 from tokenmill.utils import huge_page_zeros
 
-KINDS = ("Q4_K", "Q6_K")
+SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")  # 256-weight super-blocks
+KINDS = (*SUPER, *gguf_blocks.FIVE_BIT, *gguf_blocks.INT8_VALUED)
+# bytes per weight of each kind's panels (the table above): what the memory check counts
+PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.820, "Q5_0": 0.75, "Q5_1": 0.75,
+                **dict.fromkeys(gguf_blocks.INT8_VALUED, 1.125)}
 PACK_ROWS = 2048  # rows decoded and packed per step (a multiple of the 16-row panels)
+
+Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Int4Panels | kernels.Int8Panels
 
 
 @dataclass
@@ -33,34 +55,69 @@ class KQuantWeight:
     kind: str
     out_features: int
     in_features: int
-    panels: kernels.Q4KPanels | kernels.Q6KPanels
+    panels: Panels
 
 
 def supported(kind: str, rows: int, cols: int) -> bool:
-    """Whether a tensor of this type and shape runs on the K-quant kernels here."""
-    return kind in KINDS and cols % 256 == 0 and rows % kernels.LANES == 0 and kernels.dot_layout()
+    """Whether a tensor of this type and shape runs at its own width here."""
+    block = 256 if kind in SUPER or kind == "IQ4_XS" else 32
+    return kind in KINDS and cols % block == 0 and rows % kernels.LANES == 0 and kernels.dot_layout()
+
+
+def unit(kind: str) -> int:
+    """The inputs a kernel's partial sums must keep whole (`Linear.reduction_segment`)."""
+    return 256 if kind in SUPER else 32
 
 
 def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
     """Panels for `rows` outputs, to be filled (`fill`) a shard or a run of rows at a time."""
     p = (rows + kernels.LANES - 1) // kernels.LANES
-    if kind == "Q4_K":
-        shapes = [((p, cols // 8, 64), torch.uint8), ((p, cols // 32, 32), torch.uint8), ((p, cols // 256, 32), torch.half)]
+    z = huge_page_zeros
+    if kind in ("Q4_K", "Q5_K"):
+        panels = kernels.Q4KPanels(z((p, cols // 8, 64), torch.uint8), z((p, cols // 32, 32), torch.uint8),
+                                   z((p, cols // 256, 32), torch.half), rows,
+                                   qh=z((p, cols // 32, 64), torch.uint8) if kind == "Q5_K" else None)
+    elif kind in ("Q6_K", "Q3_K"):
+        panels = kernels.Q6KPanels(z((p, cols // 8, 64), torch.uint8), z((p, cols // 32, 128), torch.uint8),
+                                   z((p, cols // 16, 16), torch.int8), z((p, cols // 256, 16), torch.half), rows)
+    elif kind in gguf_blocks.FIVE_BIT:
+        g = cols // gguf_blocks.GROUP
+        panels = kernels.Int4Panels(z((p, cols // 8, 64), torch.uint8), z((p, g, 16), torch.half), z((p, g, 16), torch.half),
+                                    rows, dot=True, qh=z((p, cols // 32, 64), torch.uint8))
     else:
-        shapes = [((p, cols // 8, 64), torch.uint8), ((p, cols // 32, 128), torch.uint8), ((p, cols // 16, 16), torch.int8),
-                  ((p, cols // 256, 16), torch.half)]
-    out = [huge_page_zeros(shape, dtype) for shape, dtype in shapes]
-    panels = kernels.Q4KPanels(*out, rows) if kind == "Q4_K" else kernels.Q6KPanels(*out, rows)
+        panels = kernels.Int8Panels(z((p, cols // 4, 64), torch.uint8), z((p, cols // 32, 16), torch.float32), rows, dot=True)
     return KQuantWeight(kind, rows, cols, panels)
+
+
+def _tensors(p: Panels) -> dict[str, torch.Tensor]:
+    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if isinstance(getattr(p, f.name), torch.Tensor)}
 
 
 def fill(w: KQuantWeight, start: int, rows: int, read) -> None:
     """Rows [start, start + rows) of `w` (start a multiple of 16) from `read(a, b)` -> uint8 raw
-    rows a..b of the source, PACK_ROWS at a time: the kernel writes the panels in place."""
-    pack = torch.ops.tokenmill.q4k_pack if w.kind == "Q4_K" else torch.ops.tokenmill.q6k_pack
-    tensors = [t for t in vars(w.panels).values() if isinstance(t, torch.Tensor)]
+    rows a..b of the source, PACK_ROWS at a time, written into the panels in place."""
     for r0 in range(0, rows, PACK_ROWS):
-        pack(torch.from_numpy(np.ascontiguousarray(read(r0, min(r0 + PACK_ROWS, rows)))), *tensors, start + r0)
+        raw = np.ascontiguousarray(read(r0, min(r0 + PACK_ROWS, rows)))
+        _pack(w, raw, start + r0)
+
+
+def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
+    p, kind = w.panels, w.kind
+    if kind == "Q4_K":
+        return torch.ops.tokenmill.q4k_pack(torch.from_numpy(raw), p.q, p.sm, p.dd, row0)
+    if kind == "Q5_K":
+        return torch.ops.tokenmill.q5k_pack(torch.from_numpy(raw), p.q, p.sm, p.dd, p.qh, row0)
+    if kind in ("Q6_K", "Q3_K"):
+        raw = gguf_blocks.q3k_as_q6k(raw) if kind == "Q3_K" else raw
+        return torch.ops.tokenmill.q6k_pack(torch.from_numpy(raw), p.ql, p.qh, p.sc, p.d, row0)
+    at = slice(row0 // kernels.LANES, (row0 + raw.shape[0] + kernels.LANES - 1) // kernels.LANES)
+    if kind in gguf_blocks.FIVE_BIT:
+        q, scale, minimum = gguf_blocks.decode(raw, kind, w.in_features)
+        p.q[at], p.qh[at] = kernels.int4_dot_panels(q), kernels.fifth_bit_panels(q)
+        p.s[at], p.m[at] = kernels.per_panel(scale), kernels.per_panel(minimum)
+    else:
+        q, scale = gguf_blocks.decode_int8(raw, kind, w.in_features)
+        p.q[at], p.s[at] = kernels.int8_dot_panels(q), kernels.per_panel(scale)
 
 
 def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
@@ -73,16 +130,17 @@ def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
 def rows_of(w: KQuantWeight, start: int, count: int) -> KQuantWeight:
     """Rows [start, start + count) (whole panels) as a weight of their own, copied out."""
     lanes = kernels.LANES
-    tensors = []
-    for t in vars(w.panels).values():
-        if isinstance(t, torch.Tensor):
-            part = t[start // lanes:(start + count + lanes - 1) // lanes]
-            tensors.append(huge_page_zeros(tuple(part.shape), part.dtype).copy_(part))
-    return KQuantWeight(w.kind, count, w.in_features, type(w.panels)(*tensors, count))
+    parts = {}
+    for name, t in _tensors(w.panels).items():
+        part = t[start // lanes:(start + count + lanes - 1) // lanes]
+        parts[name] = huge_page_zeros(tuple(part.shape), part.dtype).copy_(part)
+    return KQuantWeight(w.kind, count, w.in_features, dataclasses.replace(w.panels, out_features=count, **parts))
 
 
 def matmul(x: torch.Tensor, w: KQuantWeight, partial: bool = False) -> torch.Tensor:
     """x (..., K) -> (..., N) in x's dtype (`partial`: float64 sums, as int4.matmul)."""
-    fn = kernels.q4k_linear if w.kind == "Q4_K" else kernels.q6k_linear
-    y = fn(x.float(), w.panels, partial)
+    p = w.panels
+    fn = (kernels.q4k_linear if isinstance(p, kernels.Q4KPanels) else kernels.q6k_linear if isinstance(p, kernels.Q6KPanels)
+          else kernels.int4_linear if isinstance(p, kernels.Int4Panels) else kernels.int8_linear)
+    y = fn(x.float(), p, partial)
     return y if partial else y.to(x.dtype)
