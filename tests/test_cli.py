@@ -12,10 +12,10 @@ CLI = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING"]
 
 
 def test_generate_prints_a_sensible_answer():
-    # 16-bit activations: the model's first token here is a near tie that 8-bit ones (the default on
-    # AVX2 CPUs, llama.cpp's arithmetic) flip into "L'Étoile, ...", as llama.cpp's own server answers
+    # the defaults (16-bit activations): the model's first token here is a near tie that 8-bit ones
+    # (llama.cpp's arithmetic) flip into "L'Étoile, ...", as llama.cpp's own server answers
     r = subprocess.run(CLI + ["generate", "--prompt", "What is the capital of France?", "--chat-template",
-                              "--temperature", "0", "--max-tokens", "30", "--activation-bits", "16"],
+                              "--temperature", "0", "--max-tokens", "30"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout

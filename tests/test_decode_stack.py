@@ -73,3 +73,11 @@ def test_stack_checks_what_it_is_given():
         stack.forward(torch.zeros(1, 64), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, dtype=torch.long),
                       torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), None, None)
     assert decode_stack.enabled()
+
+
+def test_the_readme_question_is_answered_under_the_defaults():
+    """The README's quick start, question unchanged, on this kernel variant (test_kernel_build runs
+    this file on every variant the CPU has): the default model, default settings, greedy."""
+    llm = LLM(kv_cache_memory="16MiB")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=30))[0]
+    assert "Paris" in out.outputs[0].text, (kernels.isa(), out.outputs[0].text)

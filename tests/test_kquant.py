@@ -31,6 +31,19 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
 
     def rows(t: torch.Tensor) -> torch.Tensor:  # (P, G, 16) -> (N, G)
         return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+    if isinstance(p, kernels.LutPanels):
+        from tokenmill.quant import gguf_blocks
+
+        table = torch.from_numpy(gguf_blocks.MXFP4_VALUES if w.kind == "MXFP4" else gguf_blocks.IQ4_VALUES).float()
+        s = rows(p.s)
+        if w.kind == "IQ4_XS":
+            scale = rows(p.d).float().repeat_interleave(8, dim=1) * s.float()
+        elif w.kind == "MXFP4":  # 2^(e - 128), as gguf-py's e8m0_to_fp32_half
+            e = s.to(torch.int64)
+            scale = torch.where(e < 2, (0x00200000 << e), (e - 1) << 23).to(torch.int32).view(torch.float32)
+        else:
+            scale = s.float()
+        return table[nibbles(p.q).long()] * scale.repeat_interleave(32, dim=1)
     if isinstance(p, kernels.Int8Panels):
         return kernels.unpack_int8(p).float() * rows(p.s).repeat_interleave(32, dim=1)
     if isinstance(p, kernels.Int4Panels):
@@ -59,7 +72,7 @@ _HALVES = {"Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3),
 
 def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
     """Random bytes in `kind`'s blocks: every bit pattern, with float16 scales of weight-like size
-    (MXFP4: exponents for 2^-18..2^-5)."""
+    (MXFP4: exponents for 2^-18..2^-5, and a few subnormal ones)."""
     size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
     b = rng.integers(0, 256, (rows, cols // size, nbytes), dtype=np.uint8)
     for at, lo, hi in _HALVES[kind]:
@@ -67,6 +80,7 @@ def random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
                                           np.uint8).reshape(rows, cols // size, 2)
     if kind == "MXFP4":
         b[..., 0] = rng.integers(110, 124, (rows, cols // size))
+        b[::3, 0, 0], b[1::3, 0, 0] = 0, 1  # the subnormal scales, 2^-128 and 2^-127
     return b.reshape(rows, -1)
 
 

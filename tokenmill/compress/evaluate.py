@@ -21,7 +21,7 @@ def perplexity(model: CausalLM, token_ids: list[int], context_len: int = 512, st
         raise ValueError(f"need context_len >= 2 and 0 < stride <= context_len; got {context_len}, {stride}.")
     if len(token_ids) < 2:
         raise ValueError("the evaluation text has fewer than 2 tokens.")
-    device = model.model.embed_tokens.weight.device
+    device = model.model.embed_tokens.device
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     starts = list(range(0, max(1, len(ids) - 1), stride))
     bar = None

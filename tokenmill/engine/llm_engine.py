@@ -27,7 +27,7 @@ from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec import proposers
 from tokenmill.structured.grammar import GrammarCompiler
-from tokenmill.utils import default_model_path, resolve_device
+from tokenmill.utils import default_model_path, huge_pages_after_load, resolve_device
 
 log = logging.getLogger("tokenmill")
 
@@ -64,7 +64,8 @@ class LLMEngine:
         elif mc.threads is not None:
             torch.set_num_threads(mc.threads)
         try:
-            self._build(config)
+            with huge_pages_after_load():  # the weights' huge pages are taken after start-up (utils)
+                self._build(config)
         except BaseException as e:
             if self.executor is not None:
                 self.executor.abandon(f"{type(e).__name__}: {e}")

@@ -78,13 +78,12 @@ def isa() -> str | None:
 
 
 def auto_activation_bits() -> int:
-    """What `activation_bits="auto"` means on the loaded variant. 16 on the AVX-512 variants: their
-    512-bit integer products make 16-bit activations (float32-level accuracy) fast enough. 8 on the
-    256-bit ones (avx2, avxvnni): there a 16-bit activation costs two integer products per weight,
-    twice llama.cpp's Q8 arithmetic, and the 8-bit path (llama.cpp's own) is what competes with it.
-    16 where the kernels are not loaded (ignored there)."""
-    variant = isa()
-    return 8 if variant in ("avx2", "avxvnni") else 16
+    """What `activation_bits="auto"` means: 16 on every variant. 8-bit activations (llama.cpp's Q8
+    arithmetic) halve the integer products per weight but cost +0.17-0.25 % perplexity on the
+    default model and flip near-tied greedy answers (it then misnames the capital of France on every
+    variant); at real sizes decode streams weights from memory, where the second product per weight
+    is nearly free (benchmarks/RESULTS.md). `--activation-bits 8` remains for prompt-heavy loads."""
+    return 16
 
 
 def dot_layout() -> bool:
@@ -227,6 +226,18 @@ class Q6KPanels:
     segment: int = 0
 
 
+@dataclass
+class LutPanels:
+    """GGUF IQ4_NL / IQ4_XS / MXFP4: 4-bit indices into a 16-entry int8 table, a scale per 32 inputs
+    (lut.cpp has the layouts; the scales' dtype names the type)."""
+    q: torch.Tensor    # uint8 (P, K/8, 64), the int4 dot layout
+    s: torch.Tensor    # (P, K/32, 16): float16 d (IQ4_NL), int8 scale - 32 (IQ4_XS), uint8 exponent (MXFP4)
+    out_features: int
+    d: torch.Tensor | None = None  # IQ4_XS: float16 (P, K/256, 16)
+    act_bits: int = 16
+    segment: int = 0
+
+
 def unpack_int8(w: Int8Panels) -> torch.Tensor:
     """The int8 (N, K) integers the panels hold (either layout)."""
     if w.dot:
@@ -269,6 +280,12 @@ def q4k_linear(x: torch.Tensor, w: Q4KPanels, partial: bool = False) -> torch.Te
 def q6k_linear(x: torch.Tensor, w: Q6KPanels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.ops.tokenmill.q6k_linear_dot(x2, w.ql, w.qh, w.sc, w.d, w.out_features, w.act_bits, w.segment, partial)
+    return y.view(*x.shape[:-1], w.out_features)
+
+
+def lut_linear(x: torch.Tensor, w: LutPanels, partial: bool = False) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.ops.tokenmill.lut_linear_dot(x2, w.q, w.s, w.d, w.out_features, w.act_bits, w.segment, partial)
     return y.view(*x.shape[:-1], w.out_features)
 
 

@@ -29,7 +29,7 @@ import time
 logger = logging.getLogger("tokenmill.kernels")
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / f for f in ("linear.cpp", "kquant.cpp", "attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp")]
+SOURCES = [HERE / f for f in ("linear.cpp", "kquant.cpp", "lut.cpp", "attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp")]
 HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h")]
 
 _AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt")

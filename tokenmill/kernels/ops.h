@@ -39,6 +39,9 @@ at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Te
                           const c10::optional<at::Tensor>& qh = c10::nullopt);
 at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                           const at::Tensor& d, int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
+// GGUF IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into a table, the scales' dtype names the type (lut.cpp)
+at::Tensor lut_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& d,
+                          int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
 #endif
 // K/V caches the paged kernels read: contiguous float32/float16 (num_blocks, block_size, Hkv, D), same shape.
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache);

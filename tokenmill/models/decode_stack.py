@@ -96,6 +96,8 @@ def _weight_args(q) -> tuple:
         return (4 if p.dot else 2), (p.q, p.s, None, None), p
     if isinstance(p, kernels.Q4KPanels):  # Q4_K, Q5_K
         return 5, (p.q, p.sm, p.dd, p.qh), p
+    if isinstance(p, kernels.LutPanels):  # IQ4_NL, IQ4_XS, MXFP4
+        return 8, (p.q, p.s, p.d, None), p
     return 6, (p.ql, p.qh, p.sc, p.d), p  # Q6_K, Q3_K
 
 

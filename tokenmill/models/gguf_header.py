@@ -89,7 +89,25 @@ class _Cursor:
             return np.frombuffer(self.buf, _NUMPY[elem], count, at).tolist()
         if count > self.size - self.pos:  # every element takes at least a byte
             raise ValueError(f"an array of {count} elements runs past the end of the file")
+        if elem == STRING:
+            return self._strings(count)
         return [self.value(elem) for _ in range(count)]
+
+    def _strings(self, count: int) -> list[str]:
+        """A string array (a vocabulary, BPE merges: 128k+ entries) in one loop of plain calls."""
+        buf, size, pos, out = self.buf, self.size, self.pos, []
+        unpack, append = struct.Struct("<Q").unpack_from, out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                raise ValueError(f"a string length at offset {pos} runs past the end of the file")
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > size:
+                raise ValueError(f"a field of {n} bytes at offset {pos} runs past the end of the file")
+            append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        return out
 
 
 def read_header(path: str) -> tuple[int, dict, list[TensorInfo]]:

@@ -15,8 +15,8 @@ for these types; the K-quants' super-blocks are moved by kquant.cpp instead).
     fifth bits: bit j of the little-endian 32-bit word is value j's bit 4.
 
 Each lookup type's weights are an int8 value times a float32 scale per 32 inputs, exactly (an
-IQ4_XS scale is a float16 times a 6-bit integer; an MXFP4 scale a power of two), so they run on
-the int8 kernel with block scales. Q3_K is rewritten as Q6_K (`q3k_as_q6k`): its w = d (sc - 32)
+IQ4_XS scale is a float16 times a 6-bit integer; an MXFP4 scale a power of two): the lookup kernel
+(kernels/lut.cpp) keeps the 4-bit indices and the file's own scale bits (`decode_lut`). Q3_K is rewritten as Q6_K (`q3k_as_q6k`): its w = d (sc - 32)
 (q - 4) is Q6_K's d sc' (q' - 32) with sc' = sc - 32 and q' = q + 28, bits moved, nothing rounded.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ GROUP = 32
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 FIVE_BIT = ("Q5_0", "Q5_1")
-INT8_VALUED = ("Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4")
+INT8_VALUED = ("Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4")  # (decode_int8: the reference form of the lookup types)
+LOOKUP = ("IQ4_NL", "IQ4_XS", "MXFP4")
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -84,6 +85,27 @@ def decode_int8(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, to
     else:
         raise ValueError(f"{kind} is not an int8-valued block type")
     return torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)), torch.from_numpy(np.ascontiguousarray(scale))
+
+
+def decode_lut(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """IQ4_NL/IQ4_XS/MXFP4 raw rows -> table indices uint8 (rows, cols), the per-32 scales as the
+    lookup kernel holds them (IQ4_NL float16 d, IQ4_XS int8 ls - 32, MXFP4 uint8 exponent; (rows,
+    cols/32)) and IQ4_XS's float16 d per 256 (else None)."""
+    rows = raw.shape[0]
+    if kind == "IQ4_XS":
+        sb = raw.reshape(rows, cols // 256, 136)
+        high = np.ascontiguousarray(sb[..., 2:4]).view("<u2")[..., 0]
+        ib = np.arange(8)
+        ls = ((sb[..., 4:8][..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15) | \
+             (((high[..., None] >> (2 * ib).astype(np.uint16)) & 3) << 4).astype(np.uint8)
+        q = _nibbles(sb[..., 8:].reshape(rows, cols // 256, 8, 16))
+        d = torch.from_numpy(np.ascontiguousarray(sb[..., 0:2]).view(np.float16)[..., 0].copy())
+        return (torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy((ls.astype(np.int8) - 32).reshape(rows, -1)), d)
+    head = 1 if kind == "MXFP4" else 2
+    blocks = raw.reshape(rows, cols // GROUP, head + 16)
+    q = _nibbles(blocks[..., head:]).reshape(rows, cols)
+    scale = blocks[..., 0].copy() if kind == "MXFP4" else np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].copy()
+    return torch.from_numpy(q), torch.from_numpy(scale), None
 
 
 def q3k_as_q6k(raw: np.ndarray) -> np.ndarray:

@@ -15,12 +15,12 @@ other. The transcoding moves bits, never values.
                                                  0.820  (0.4297)
     Q5_0, Q5_1      Int4Panels + fifth bits      0.750  (0.6875, 0.75)
     Q8_0            Int8Panels, block scales     1.125  (1.0625)
-    IQ4_NL, IQ4_XS,
-    MXFP4           Int8Panels, block scales     1.125  (0.5625, 0.53, 0.53)
+    IQ4_NL          LutPanels                    0.5625 (0.5625)
+    IQ4_XS          LutPanels                    0.539  (0.531)
+    MXFP4           LutPanels                    0.531  (0.531)
 
-Q3_K and the lookup types (IQ4_NL, IQ4_XS, MXFP4) are exact but wider than their files: they run
-on kernels made for wider weights. Q2_K is not here (its per-16 minimums fit none of the panels):
-it is rounded to int8 per channel by `Linear`.
+Q3_K is exact but wider than its file: it runs on the 6-bit kernel. Q2_K is not here (its per-16
+minimums fit none of the panels): it is rounded to int8 per channel by `Linear`.
 
     Q4_K super-block, 144 bytes: d, dmin (float16) | 12 bytes of 6-bit sc, mn for 8 groups of 32 |
           128 bytes of nibbles (byte 32c + j: weight 64c + j low, 64c + 32 + j high)
@@ -31,6 +31,7 @@ it is rounded to int8 per channel by `Linear`.
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,13 +42,13 @@ from tokenmill.quant import gguf_blocks
 from tokenmill.utils import huge_page_zeros
 
 SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")  # 256-weight super-blocks
-KINDS = (*SUPER, *gguf_blocks.FIVE_BIT, *gguf_blocks.INT8_VALUED)
+KINDS = (*SUPER, *gguf_blocks.FIVE_BIT, "Q8_0", *gguf_blocks.LOOKUP)
 # bytes per weight of each kind's panels (the table above): what the memory check counts
 PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.820, "Q5_0": 0.75, "Q5_1": 0.75,
-                **dict.fromkeys(gguf_blocks.INT8_VALUED, 1.125)}
+                "Q8_0": 1.125, "IQ4_NL": 0.5625, "IQ4_XS": 0.539, "MXFP4": 0.531}
 PACK_ROWS = 2048  # rows decoded and packed per step (a multiple of the 16-row panels)
 
-Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Int4Panels | kernels.Int8Panels
+Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Int4Panels | kernels.Int8Panels | kernels.LutPanels
 
 
 @dataclass
@@ -84,6 +85,10 @@ def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
         g = cols // gguf_blocks.GROUP
         panels = kernels.Int4Panels(z((p, cols // 8, 64), torch.uint8), z((p, g, 16), torch.half), z((p, g, 16), torch.half),
                                     rows, dot=True, qh=z((p, cols // 32, 64), torch.uint8))
+    elif kind in gguf_blocks.LOOKUP:
+        sdtype = {"IQ4_NL": torch.half, "IQ4_XS": torch.int8, "MXFP4": torch.uint8}[kind]
+        panels = kernels.LutPanels(z((p, cols // 8, 64), torch.uint8), z((p, cols // 32, 16), sdtype), rows,
+                                   d=z((p, cols // 256, 16), torch.half) if kind == "IQ4_XS" else None)
     else:
         panels = kernels.Int8Panels(z((p, cols // 4, 64), torch.uint8), z((p, cols // 32, 16), torch.float32), rows, dot=True)
     return KQuantWeight(kind, rows, cols, panels)
@@ -96,9 +101,20 @@ def _tensors(p: Panels) -> dict[str, torch.Tensor]:
 def fill(w: KQuantWeight, start: int, rows: int, read) -> None:
     """Rows [start, start + rows) of `w` (start a multiple of 16) from `read(a, b)` -> uint8 raw
     rows a..b of the source, PACK_ROWS at a time, written into the panels in place."""
-    for r0 in range(0, rows, PACK_ROWS):
-        raw = np.ascontiguousarray(read(r0, min(r0 + PACK_ROWS, rows)))
-        _pack(w, raw, start + r0)
+    steps = [(r0, min(r0 + PACK_ROWS, rows)) for r0 in range(0, rows, PACK_ROWS)]
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenmill-read") as reader:  # per call: nothing left to a fork
+        for (r0, _), raw in zip(steps, _read_ahead(reader, read, steps)):
+            _pack(w, raw, start + r0)
+
+
+def _read_ahead(reader: ThreadPoolExecutor, read, steps: list[tuple[int, int]]):
+    """Each step's raw rows, the next step's read (a file read: the GIL is released) running while
+    this one is packed (the kernels release it too): loading overlaps the file with the packing."""
+    pending = reader.submit(read, *steps[0]) if steps else None
+    for i in range(len(steps)):
+        raw = np.ascontiguousarray(pending.result())
+        pending = reader.submit(read, *steps[i + 1]) if i + 1 < len(steps) else None
+        yield raw
 
 
 def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
@@ -115,6 +131,11 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
         q, scale, minimum = gguf_blocks.decode(raw, kind, w.in_features)
         p.q[at], p.qh[at] = kernels.int4_dot_panels(q), kernels.fifth_bit_panels(q)
         p.s[at], p.m[at] = kernels.per_panel(scale), kernels.per_panel(minimum)
+    elif kind in gguf_blocks.LOOKUP:
+        q, scale, d = gguf_blocks.decode_lut(raw, kind, w.in_features)
+        p.q[at], p.s[at] = kernels.int4_dot_panels(q), kernels.per_panel(scale).to(p.s.dtype)
+        if d is not None:
+            p.d[at] = kernels.per_panel(d).half()
     else:
         q, scale = gguf_blocks.decode_int8(raw, kind, w.in_features)
         p.q[at], p.s[at] = kernels.int8_dot_panels(q), kernels.per_panel(scale)
@@ -140,7 +161,7 @@ def rows_of(w: KQuantWeight, start: int, count: int) -> KQuantWeight:
 def matmul(x: torch.Tensor, w: KQuantWeight, partial: bool = False) -> torch.Tensor:
     """x (..., K) -> (..., N) in x's dtype (`partial`: float64 sums, as int4.matmul)."""
     p = w.panels
-    fn = (kernels.q4k_linear if isinstance(p, kernels.Q4KPanels) else kernels.q6k_linear if isinstance(p, kernels.Q6KPanels)
-          else kernels.int4_linear if isinstance(p, kernels.Int4Panels) else kernels.int8_linear)
+    fn = {kernels.Q4KPanels: kernels.q4k_linear, kernels.Q6KPanels: kernels.q6k_linear, kernels.LutPanels: kernels.lut_linear,
+          kernels.Int4Panels: kernels.int4_linear, kernels.Int8Panels: kernels.int8_linear}[type(p)]
     y = fn(x.float(), p, partial)
     return y if partial else y.to(x.dtype)

@@ -52,5 +52,5 @@ def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dt
     """(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): [0] keys, [1] values."""
     shape = (2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     if device.type == "cpu":
-        return huge_page_zeros(shape, dtype)  # scattered block reads: one TLB entry per 2 MiB
+        return huge_page_zeros(shape, dtype, touched_now=False)  # scattered block reads: one TLB entry per 2 MiB
     return torch.zeros(shape, dtype=dtype, device=device)
