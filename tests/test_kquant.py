@@ -45,7 +45,7 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
             scale = s.float()
         return table[nibbles(p.q).long()] * scale.repeat_interleave(32, dim=1)
     if isinstance(p, kernels.Int8Panels):
-        return kernels.unpack_int8(p).float() * rows(p.s).repeat_interleave(32, dim=1)
+        return kernels.unpack_int8(p).float() * rows(p.s).float().repeat_interleave(32, dim=1)
     if isinstance(p, kernels.Int4Panels):
         q = (nibbles(p.q) | fifth(p.qh)).float()
         return q * rows(p.s).float().repeat_interleave(32, dim=1) + rows(p.m).float().repeat_interleave(32, dim=1)

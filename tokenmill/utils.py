@@ -42,7 +42,7 @@ def resolve_device(name: str):
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
 MADV_POPULATE_WRITE, MADV_COLLAPSE = 23, 25  # Linux 5.14+: fault a range in; 6.1+: make its pages huge now
-_COLLAPSE_STEP = 32 << 20
+_COLLAPSE_STEP, _HUGE_PAGE = 32 << 20, 2 << 20
 _deferred: list[mmap.mmap] | None = None  # inside huge_pages_after_load: mappings to promote after it
 _promoter: list[threading.Thread] = []
 
@@ -122,9 +122,12 @@ def _promote(bufs: list[mmap.mmap]) -> None:
         except (OSError, ValueError):
             continue  # THP disabled, or the mapping is gone
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-        for off in range(0, len(buf), _COLLAPSE_STEP):
-            if collapse and libc.madvise(addr + off, min(_COLLAPSE_STEP, len(buf) - off), MADV_COLLAPSE) != 0:
+        end, lo = addr + len(buf), addr
+        while collapse and lo < end:  # steps end on huge-page boundaries: no huge page is split between two
+            hi = min(end, (lo // _HUGE_PAGE + 1) * _HUGE_PAGE + _COLLAPSE_STEP - _HUGE_PAGE)
+            if libc.madvise(lo, hi - lo, MADV_COLLAPSE) != 0:
                 collapse = ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS)  # no MADV_COLLAPSE here
+            lo = hi
     _promoter.remove(threading.current_thread())
 
 

@@ -112,7 +112,7 @@ class Int8Panels:
     """int8, w = q * s per output channel, or per block of 32 inputs (GGUF Q8_0 and the lookup
     types, dot layout only), in 16-row panels."""
     q: torch.Tensor   # int8 (P, K, 16), or uint8 (P, K/4, 64) holding q + 128 in the dot layout
-    s: torch.Tensor   # float32 (P*16,), or (P, K/32, 16) per block
+    s: torch.Tensor   # float32 (P*16,), or float16 (P, K/32, 16) per block
     out_features: int
     dot: bool = False
     act_bits: int = 16

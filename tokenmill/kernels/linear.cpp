@@ -136,8 +136,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int8 weights must be int8 (P, K, 16)");
   const int64_t P = q.size(0), K = q.size(1);
   TORCH_CHECK(K % 2 == 0, "K must be even");
-  const bool grouped = s.dim() == 3;  // a scale per block of 32 inputs (GGUF Q8_0 and the lookup types)
-  if (grouped) check_panel(s, {P, K / 32, kLanes}, at::kFloat, "int8 block scales");
+  const bool grouped = s.dim() == 3;  // a float16 scale per block of 32 inputs (GGUF Q8_0)
+  if (grouped) check_panel(s, {P, K / 32, kLanes}, at::kHalf, "int8 block scales");
   else TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
                    "scales must be float (P*16,)");
   check_n(N, P);
@@ -265,10 +265,12 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
 }
 
 // int8: (q + 128) . xq - 128 sum(xq) per block of 32; each segment's sum scaled per output row, or
-// (G: GGUF Q8_0, IQ4_NL, IQ4_XS, MXFP4) each block's by its own scale, float32 (P, K/32, 16).
+// (G: GGUF Q8_0) each block's by its own scale, float16 (P, K/32, 16) as the file stores it.
 template <int MT, int NP, bool W, bool G = false>
-__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
+__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const void* sv, YOut y,
                                              int nvalid_last) {
+  const float* s = static_cast<const float*>(sv);       // per output row
+  const at::Half* sb = static_cast<const at::Half*>(sv);  // G: per block, float16 (Q8_0's own d)
   const int64_t nb = K / 32, bps = segment / 32, qstride = K * kLanes, sstride = G ? K / 2 : kLanes;
   Sum16 sum[MT][NP];
   for (int64_t b0 = 0; b0 < nb; b0 += bps) {
@@ -302,7 +304,7 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment
         for (int j = 0; j < NP; ++j) {
           const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
           const v16f prod = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias));
-          if constexpr (G) acc[r][j] += prod * (load(s + j * sstride + b * kLanes) * d);
+          if constexpr (G) acc[r][j] += prod * (load_half(sb + j * sstride + b * kLanes) * d);
           else acc[r][j] += prod * d;
         }
       }
@@ -431,8 +433,10 @@ __attribute__((noinline)) void int4_dot_tile(XRows x, int64_t K, int64_t group, 
 // int8: the 64 bytes of an input quad hold 4 outputs per 16 bytes, widened to 16 int16 lanes
 // (output, input) whose VPMADDWD with x's 4 inputs leaves 2 int32 lanes per output.
 template <int MT, int NU, bool W, bool G = false>
-__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const float* s, YOut y,
+__attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, const void* sv, YOut y,
                                              int nvalid) {
+  const float* s = static_cast<const float*>(sv);
+  const at::Half* sb = static_cast<const at::Half*>(sv);
   const int64_t nb = K / 32, bps = segment / 32;
   for (int u0 = 0; u0 < 2; u0 += NU) {
     Sum8 sum[MT][NU];
@@ -464,7 +468,7 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment
           const __m256 d = _mm256_set1_ps(x.d[r * nb + b]);
           for (int u = 0; u < NU; ++u) {  // hadd: [o0 o1 o4 o5 | o2 o3 o6 o7] -> in order
             const __m256i dot = _mm256_permute4x64_epi64(_mm256_hadd_epi32(iacc[r][u][0], iacc[r][u][1]), 0xD8);
-            const __m256 ds = G ? _mm256_mul_ps(_mm256_loadu_ps(s + b * kLanes + (u0 + u) * 8), d) : d;
+            const __m256 ds = G ? _mm256_mul_ps(load_half8(sb + b * kLanes + (u0 + u) * 8), d) : d;
             acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), ds, acc[r][u]);
           }
         }
@@ -578,8 +582,8 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
               "int8 dot weights must be uint8 (P, K/4, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 4;
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  const bool grouped = s.dim() == 3;  // a scale per block of 32 inputs (GGUF Q8_0 and the lookup types)
-  if (grouped) check_panel(s, {P, K / 32, kLanes}, at::kFloat, "int8 block scales");
+  const bool grouped = s.dim() == 3;  // a float16 scale per block of 32 inputs (GGUF Q8_0)
+  if (grouped) check_panel(s, {P, K / 32, kLanes}, at::kHalf, "int8 block scales");
   else TORCH_CHECK(s.numel() == P * kLanes && s.scalar_type() == at::kFloat && s.is_contiguous(),
                    "scales must be float (P*16,)");
   check_n(N, P);
@@ -589,16 +593,18 @@ at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kInt8X);
   at::Tensor y = output(x, N, partial);
   const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = s.data_ptr<float>();
+  const float* sp = grouped ? nullptr : s.data_ptr<float>();
+  const at::Half* hp = grouped ? s.data_ptr<at::Half>() : nullptr;
   const int tile = bits == 16 ? kInt8Rows16 : kInt8Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, 0);
     const uint8_t* qt = qp + p * K * kLanes;
     const YOut yt = out_at(y, r, p * kLanes);
-    if (grouped && bits == 16) dispatch_dot<Int8GDot16Tile>(rows, np, xr, K, segment, qt, sp + p * K / 2, yt, nvalid);
-    else if (grouped) dispatch_dot<Int8GDot8Tile>(rows, np, xr, K, segment, qt, sp + p * K / 2, yt, nvalid);
-    else if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
-    else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, segment, qt, sp + p * kLanes, yt, nvalid);
+    const void* st = grouped ? static_cast<const void*>(hp + p * K / 2) : static_cast<const void*>(sp + p * kLanes);
+    if (grouped && bits == 16) dispatch_dot<Int8GDot16Tile>(rows, np, xr, K, segment, qt, st, yt, nvalid);
+    else if (grouped) dispatch_dot<Int8GDot8Tile>(rows, np, xr, K, segment, qt, st, yt, nvalid);
+    else if (bits == 16) dispatch_dot<Int8Dot16Tile>(rows, np, xr, K, segment, qt, st, yt, nvalid);
+    else dispatch_dot<Int8Dot8Tile>(rows, np, xr, K, segment, qt, st, yt, nvalid);
   });
   return y;
 }

@@ -7,6 +7,8 @@ them, so a model computes the same as with the float table.
 """
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -25,7 +27,7 @@ class Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = deferrable_empty(num_embeddings, embedding_dim)
         self.blocks: BlockTensor | None = None   # the stored rows' bytes, when kept in the file's format
-        self._raw: torch.Tensor | None = None    # uint8 (V, bytes per row): those bytes in memory
+        self._raw: np.ndarray | None = None      # uint8 (V, bytes per row): those bytes, memory-mapped
         self.keep_blocks = False                 # set before loading: keep a block-quantized table as it is
 
     def weight_loader(self, param: nn.Parameter, loaded, shard: str | None = None, **_: object) -> None:
@@ -34,7 +36,7 @@ class Embedding(nn.Module):
             raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs model {shape}")
         if self.keep_blocks and isinstance(loaded, BlockTensor) and loaded.quantized:
             self.blocks = loaded
-            self._raw = torch.from_numpy(np.ascontiguousarray(loaded.raw(0, loaded.num_rows)))
+            self._raw = loaded.mapped()
             self.weight = None
             return
         materialize(param, shape)
@@ -51,10 +53,10 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return F.embedding(ids, self.weight)
-        return self._rows(self._raw[ids.reshape(-1)]).view(*ids.shape, self.embedding_dim)
+        return self._rows(self._raw[ids.reshape(-1).cpu().numpy()]).view(*ids.shape, self.embedding_dim)
 
-    def _rows(self, raw: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(self.blocks._dequantize_raw(raw.numpy()))
+    def _rows(self, raw: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.blocks._dequantize_raw(np.ascontiguousarray(raw)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, H) times the table (the tied output head in float)."""
@@ -70,9 +72,19 @@ class Embedding(nn.Module):
         own values), else rounded to per-row int8."""
         if self.weight is not None:
             return int8.quantize_rtn(self.weight.data)
-        if policy in ("auto", *PREQUANTIZED) and kquant.supported(self.blocks.kind, *self.blocks.shape):
-            return kquant.from_blocks(self.blocks.kind, *self.blocks.shape, self._raw_rows)
-        return int8.make(*self.blocks.int8_parts())
+        try:
+            if policy in ("auto", *PREQUANTIZED) and kquant.supported(self.blocks.kind, *self.blocks.shape):
+                return kquant.from_blocks(self.blocks.kind, *self.blocks.shape, self._raw_rows)
+            return int8.make(*self.blocks.int8_parts())
+        finally:
+            self._release_pages()
 
     def _raw_rows(self, start: int, stop: int) -> np.ndarray:
-        return self._raw[start:stop].numpy()
+        return self._raw[start:stop]
+
+    def _release_pages(self) -> None:
+        """Unmap the table's pages the head's packing read (they stay in the page cache): lookups
+        then map back only the rows they read, so the table costs the process almost nothing."""
+        mm = getattr(self._raw, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)

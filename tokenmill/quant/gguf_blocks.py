@@ -14,10 +14,11 @@ for these types; the K-quants' super-blocks are moved by kquant.cpp instead).
     nibbles: byte j of a block holds value j in its low half and value j + 16 in its high half;
     fifth bits: bit j of the little-endian 32-bit word is value j's bit 4.
 
-Each lookup type's weights are an int8 value times a float32 scale per 32 inputs, exactly (an
-IQ4_XS scale is a float16 times a 6-bit integer; an MXFP4 scale a power of two): the lookup kernel
-(kernels/lut.cpp) keeps the 4-bit indices and the file's own scale bits (`decode_lut`). Q3_K is rewritten as Q6_K (`q3k_as_q6k`): its w = d (sc - 32)
-(q - 4) is Q6_K's d sc' (q' - 32) with sc' = sc - 32 and q' = q + 28, bits moved, nothing rounded.
+Each lookup type's weights are an int8 table value times a scale per 32 inputs that is exact in
+float32 (an IQ4_XS scale is a float16 times a 6-bit integer, an MXFP4 scale a power of two): the
+lookup kernel (kernels/lut.cpp) keeps the 4-bit indices and the file's own scale bits
+(`decode_lut`). Q3_K is rewritten as Q6_K (`q3k_as_q6k`): its w = d (sc - 32) (q - 4) is Q6_K's
+d sc' (q' - 32) with sc' = sc - 32 and q' = q + 28, bits moved, nothing rounded.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ GROUP = 32
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 FIVE_BIT = ("Q5_0", "Q5_1")
-INT8_VALUED = ("Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4")  # (decode_int8: the reference form of the lookup types)
 LOOKUP = ("IQ4_NL", "IQ4_XS", "MXFP4")
 
 
@@ -58,33 +58,11 @@ def decode(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.T
     return torch.from_numpy(q.reshape(rows, cols)), torch.from_numpy(d), torch.from_numpy(m)
 
 
-def decode_int8(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0/IQ4_NL/IQ4_XS/MXFP4 raw rows -> q int8 (rows, cols), scale float32 (rows, cols/32):
-    w = q scale, exactly."""
-    rows = raw.shape[0]
-    if kind == "Q8_0":
-        blocks = raw.reshape(rows, cols // GROUP, 34)
-        q, scale = np.ascontiguousarray(blocks[..., 2:]).view(np.int8), _f16(blocks[..., 0:2])
-    elif kind == "IQ4_NL":
-        blocks = raw.reshape(rows, cols // GROUP, 18)
-        q, scale = IQ4_VALUES[_nibbles(blocks[..., 2:])], _f16(blocks[..., 0:2])
-    elif kind == "MXFP4":
-        blocks = raw.reshape(rows, cols // GROUP, 17)
-        e = blocks[..., 0].astype(np.uint32)  # E8M0 halved: 2^(e - 128), subnormal below e = 2
-        bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << np.uint32(23)).astype(np.uint32)
-        q, scale = MXFP4_VALUES[_nibbles(blocks[..., 1:])], bits.view(np.float32)
-    elif kind == "IQ4_XS":
-        sb = raw.reshape(rows, cols // 256, 136)
-        d = _f16(sb[..., 0:2])
-        high = np.ascontiguousarray(sb[..., 2:4]).view("<u2")[..., 0]
-        ib = np.arange(8)
-        ls = ((sb[..., 4:8][..., ib // 2] >> (4 * (ib % 2)).astype(np.uint8)) & 15) | \
-             (((high[..., None] >> (2 * ib).astype(np.uint16)) & 3) << 4).astype(np.uint8)
-        scale = (d[..., None] * (ls.astype(np.float32) - 32)).reshape(rows, cols // GROUP)
-        q = IQ4_VALUES[_nibbles(sb[..., 8:].reshape(rows, cols // 256, 8, 16))]
-    else:
-        raise ValueError(f"{kind} is not an int8-valued block type")
-    return torch.from_numpy(np.ascontiguousarray(q).reshape(rows, cols)), torch.from_numpy(np.ascontiguousarray(scale))
+def decode_q8_0(raw: np.ndarray, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 raw rows -> q int8 (rows, cols), d float16 (rows, cols/32): w = q d, exactly."""
+    blocks = raw.reshape(raw.shape[0], cols // GROUP, 34)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(raw.shape[0], cols)
+    return torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].copy())
 
 
 def decode_lut(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

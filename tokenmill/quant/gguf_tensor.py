@@ -105,6 +105,17 @@ class BlockTensor:
         c0, c1 = (c // self.block_size * self.block_bytes for c in self.col_range)
         return rows[:, c0:c1] if (c0, c1) != (0, self.row_stride) else rows
 
+    def mapped(self) -> np.ndarray:
+        """uint8 (rows, bytes per row) of the whole tensor, memory-mapped read-only: the page cache's
+        own pages, nothing copied or allocated (the embedding table, read as rows are looked up).
+        Only for a tensor of all its stored rows and columns in order; others read a copy."""
+        if self.row_order is not None or self.col_range != (0, self.row_stride // self.block_bytes * self.block_size):
+            return np.ascontiguousarray(self.raw(0, self.num_rows))
+        size = os.path.getsize(self.path)
+        if self.offset + self.num_rows * self.row_stride > size:
+            raise ValueError(f"tensor {self.name} in {self.path} ends past the end of the file; the file is truncated.")
+        return np.memmap(self.path, np.uint8, "r", self.offset, (self.num_rows, self.row_stride))
+
     def _each_chunk(self, fn: Callable[[int, int, np.ndarray], None]) -> None:
         """fn(start, stop, raw rows) over runs of rows whose float32 form is about CHUNK_BYTES."""
         per = max(1, CHUNK_BYTES // max(1, 4 * self.shape[1]))

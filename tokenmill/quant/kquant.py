@@ -14,7 +14,7 @@ other. The transcoding moves bits, never values.
     Q3_K            Q6KPanels (gguf_blocks.q3k_as_q6k: 3-bit values in the 6-bit form)
                                                  0.820  (0.4297)
     Q5_0, Q5_1      Int4Panels + fifth bits      0.750  (0.6875, 0.75)
-    Q8_0            Int8Panels, block scales     1.125  (1.0625)
+    Q8_0            Int8Panels, block scales     1.0625 (1.0625)
     IQ4_NL          LutPanels                    0.5625 (0.5625)
     IQ4_XS          LutPanels                    0.539  (0.531)
     MXFP4           LutPanels                    0.531  (0.531)
@@ -31,7 +31,7 @@ minimums fit none of the panels): it is rounded to int8 per channel by `Linear`.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,7 +45,7 @@ SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")  # 256-weight super-blocks
 KINDS = (*SUPER, *gguf_blocks.FIVE_BIT, "Q8_0", *gguf_blocks.LOOKUP)
 # bytes per weight of each kind's panels (the table above): what the memory check counts
 PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.820, "Q5_0": 0.75, "Q5_1": 0.75,
-                "Q8_0": 1.125, "IQ4_NL": 0.5625, "IQ4_XS": 0.539, "MXFP4": 0.531}
+                "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.539, "MXFP4": 0.531}
 PACK_ROWS = 2048  # rows decoded and packed per step (a multiple of the 16-row panels)
 
 Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Int4Panels | kernels.Int8Panels | kernels.LutPanels
@@ -90,7 +90,7 @@ def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
         panels = kernels.LutPanels(z((p, cols // 8, 64), torch.uint8), z((p, cols // 32, 16), sdtype), rows,
                                    d=z((p, cols // 256, 16), torch.half) if kind == "IQ4_XS" else None)
     else:
-        panels = kernels.Int8Panels(z((p, cols // 4, 64), torch.uint8), z((p, cols // 32, 16), torch.float32), rows, dot=True)
+        panels = kernels.Int8Panels(z((p, cols // 4, 64), torch.uint8), z((p, cols // 32, 16), torch.half), rows, dot=True)
     return KQuantWeight(kind, rows, cols, panels)
 
 
@@ -101,31 +101,26 @@ def _tensors(p: Panels) -> dict[str, torch.Tensor]:
 def fill(w: KQuantWeight, start: int, rows: int, read) -> None:
     """Rows [start, start + rows) of `w` (start a multiple of 16) from `read(a, b)` -> uint8 raw
     rows a..b of the source, PACK_ROWS at a time, written into the panels in place."""
-    steps = [(r0, min(r0 + PACK_ROWS, rows)) for r0 in range(0, rows, PACK_ROWS)]
-    with ThreadPoolExecutor(1, thread_name_prefix="tokenmill-read") as reader:  # per call: nothing left to a fork
-        for (r0, _), raw in zip(steps, _read_ahead(reader, read, steps)):
-            _pack(w, raw, start + r0)
+    for r0 in range(0, rows, PACK_ROWS):
+        _pack(w, np.ascontiguousarray(read(r0, min(r0 + PACK_ROWS, rows))), start + r0)
 
 
-def _read_ahead(reader: ThreadPoolExecutor, read, steps: list[tuple[int, int]]):
-    """Each step's raw rows, the next step's read (a file read: the GIL is released) running while
-    this one is packed (the kernels release it too): loading overlaps the file with the packing."""
-    pending = reader.submit(read, *steps[0]) if steps else None
-    for i in range(len(steps)):
-        raw = np.ascontiguousarray(pending.result())
-        pending = reader.submit(read, *steps[i + 1]) if i + 1 < len(steps) else None
-        yield raw
+def _source(raw: np.ndarray) -> torch.Tensor:
+    """The raw rows as a tensor the packing kernels only read (a memory-mapped table is read-only)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(raw)
 
 
 def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
     p, kind = w.panels, w.kind
     if kind == "Q4_K":
-        return torch.ops.tokenmill.q4k_pack(torch.from_numpy(raw), p.q, p.sm, p.dd, row0)
+        return torch.ops.tokenmill.q4k_pack(_source(raw), p.q, p.sm, p.dd, row0)
     if kind == "Q5_K":
-        return torch.ops.tokenmill.q5k_pack(torch.from_numpy(raw), p.q, p.sm, p.dd, p.qh, row0)
+        return torch.ops.tokenmill.q5k_pack(_source(raw), p.q, p.sm, p.dd, p.qh, row0)
     if kind in ("Q6_K", "Q3_K"):
         raw = gguf_blocks.q3k_as_q6k(raw) if kind == "Q3_K" else raw
-        return torch.ops.tokenmill.q6k_pack(torch.from_numpy(raw), p.ql, p.qh, p.sc, p.d, row0)
+        return torch.ops.tokenmill.q6k_pack(_source(raw), p.ql, p.qh, p.sc, p.d, row0)
     at = slice(row0 // kernels.LANES, (row0 + raw.shape[0] + kernels.LANES - 1) // kernels.LANES)
     if kind in gguf_blocks.FIVE_BIT:
         q, scale, minimum = gguf_blocks.decode(raw, kind, w.in_features)
@@ -137,8 +132,8 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
         if d is not None:
             p.d[at] = kernels.per_panel(d).half()
     else:
-        q, scale = gguf_blocks.decode_int8(raw, kind, w.in_features)
-        p.q[at], p.s[at] = kernels.int8_dot_panels(q), kernels.per_panel(scale)
+        q, d = gguf_blocks.decode_q8_0(raw, w.in_features)
+        p.q[at], p.s[at] = kernels.int8_dot_panels(q), kernels.per_panel(d).half()
 
 
 def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
