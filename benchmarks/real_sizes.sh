@@ -8,7 +8,8 @@
 #   decode, pp512  `tokenmill bench latency` (64 new tokens; a 512-token prompt) / `llama-bench` tg64, pp512
 #   bytes/token    the weights one tokenmill decode step reads, against the file's tensor bytes
 # SIZES="1b 3b" TYPES="Q4_K_M Q4_0" REPS=2 MODELS=/path/for/files bash benchmarks/real_sizes.sh
-# ISA=avx2 (common.sh) pins both engines to AVX2. Writes results/real_sizes[-ISA].jsonl.
+# ISA=avx2 (common.sh) pins both engines to AVX2. READY_ONLY=1: only the servers' start and peak, alternated
+# (results/real_sizes_ready.jsonl). Writes results/real_sizes[-ISA].jsonl.
 source "$(dirname "$0")/common.sh"
 SIZES=${SIZES:-"1b 3b 8b"}
 TYPES=${TYPES:-"Q4_K_M"}
@@ -17,7 +18,7 @@ MODELS=${MODELS:-$ROOT/models}
 PORT=${PORT:-8731}
 build_llamacpp
 mkdir -p "$MODELS"
-out=$RESULTS/real_sizes$SUFFIX.jsonl; : > "$out"
+out=$RESULTS/real_sizes${READY_ONLY:+_ready}$SUFFIX.jsonl; : > "$out"
 
 ready_and_peak() {  # name cmd...: starts a server, prints {"ready_s", "peak_rss_gb"} after one answer
   local name=$1; shift
@@ -43,6 +44,10 @@ for size in $SIZES; do
     for r in $(seq 1 "$REPS"); do
       tm=$(ready_and_peak tokenmill "$TM" --log-level WARNING serve --model "$model" --port "$PORT" --kv-cache-memory 1GiB)
       lc=$(ready_and_peak llama.cpp "$LLAMA_BUILD/bin/llama-server" -m "$model" -t 2 --port "$PORT" -c 4096 -np 1)
+      if [ -n "${READY_ONLY:-}" ]; then  # only the two servers' start, alternated
+        echo "{\"size\": \"$size\", \"type\": \"$type\", \"commit\": \"$(git -C "$ROOT" rev-parse --short HEAD)\", \"tokenmill\": $tm, \"llama.cpp\": $lc}" >> "$out"
+        continue
+      fi
       dec=$(OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$model" --input-len 32 --output-len 64 \
               --repeats 1 --kv-cache-memory 1GiB)
       pre=$(OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$model" --input-len 512 --output-len 2 \
