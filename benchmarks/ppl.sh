@@ -21,8 +21,8 @@ for model in $MODELS; do
       set -- $run
       "$TM" --log-level WARNING eval ppl --model "$model" --data "$text" --quantization "$1" --activation-bits "$2" \
         --max-tokens "$TOKENS" --context-len 512 --stride 256 |
-        "$PY" -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({"engine": "tokenmill", "model": sys.argv[1], "text": sys.argv[2], "quantization": sys.argv[3], "activation_bits": int(sys.argv[4]), **d}))' \
-          "$(basename "$model")" "$name" "$1" "$2" >> "$out"
+        "$PY" -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({**d, "engine": "tokenmill", "model": sys.argv[1], "text": sys.argv[2]}))' \
+          "$(basename "$model")" "$name" >> "$out"
     done
     # llama-perplexity: chunks of 512 over the same first TOKENS tokens (it stops at --chunks)
     lp=$("$LLAMA_BUILD/bin/llama-perplexity" -m "$model" -f "$text" -c 512 -t 2 --chunks $((TOKENS / 512)) 2>&1 |

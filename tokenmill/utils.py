@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import importlib.util
 import math
 import mmap
@@ -95,6 +96,7 @@ def huge_pages_after_load():
             t.start()
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     import ctypes
 

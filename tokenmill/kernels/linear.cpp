@@ -298,13 +298,16 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment
           }
         }
       }
+      v16f sb16[NP];  // G: the block's scales, once per block for every row
+      if constexpr (G)
+        for (int j = 0; j < NP; ++j) sb16[j] = load_half(sb + j * sstride + b * kLanes);
       for (int r = 0; r < MT; ++r) {
         const __m512i bias = _mm512_set1_epi32(128 * x.qsum[r * nb + b]);
         const float d = x.d[r * nb + b];
         for (int j = 0; j < NP; ++j) {
           const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
           const v16f prod = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias));
-          if constexpr (G) acc[r][j] += prod * (load_half(sb + j * sstride + b * kLanes) * d);
+          if constexpr (G) acc[r][j] += prod * (sb16[j] * d);
           else acc[r][j] += prod * d;
         }
       }
