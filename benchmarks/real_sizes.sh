@@ -3,7 +3,9 @@
 # make_llama_gguf.py writes the float16 file tensor by tensor, llama.cpp's llama-quantize makes each
 # TYPE from it; speed and memory depend on shapes and types, not on values), then per file, alternated
 # REPS times, one engine alive at a time, 2 threads:
-#   time to ready  `tokenmill serve` / `llama-server` from process start to a 200 on /health
+#   time to ready  `tokenmill serve` / `llama-server` from process start to a 200 on /health; tokenmill's
+#                  first start (an empty weight cache: reads and packs the file, then writes the cache
+#                  entry) as ready_first_s, a later one (maps the entry) as ready_s
 #   peak RSS       VmHWM of that server process once ready, after one 64-token answer
 #   decode, pp512  `tokenmill bench latency` (64 new tokens; a 512-token prompt) / `llama-bench` tg64, pp512
 #   bytes/token    the weights one tokenmill decode step reads, against the file's tensor bytes
@@ -16,6 +18,7 @@ TYPES=${TYPES:-"Q4_K_M"}
 REPS=${REPS:-2}
 MODELS=${MODELS:-$ROOT/models}
 PORT=${PORT:-8731}
+WCACHE=$MODELS/.weight-cache
 build_llamacpp
 mkdir -p "$MODELS"
 out=$RESULTS/real_sizes${READY_ONLY:+_ready}$SUFFIX.jsonl; : > "$out"
@@ -42,16 +45,20 @@ for size in $SIZES; do
     [ -f "$model" ] || "$LLAMA_BUILD/bin/llama-quantize" "$f16" "$model" "$type" 2 > /dev/null
     file_bytes=$("$PY" -c 'import gguf,sys; print(sum(int(t.n_bytes) for t in gguf.GGUFReader(sys.argv[1]).tensors))' "$model")
     for r in $(seq 1 "$REPS"); do
-      tm=$(ready_and_peak tokenmill "$TM" --log-level WARNING serve --model "$model" --port "$PORT" --kv-cache-memory 1GiB)
+      tm_serve=("$TM" --log-level WARNING serve --model "$model" --port "$PORT" --kv-cache-memory 1GiB --weight-cache "$WCACHE")
+      rm -rf "$WCACHE"
+      first=$(ready_and_peak tokenmill "${tm_serve[@]}")
       lc=$(ready_and_peak llama.cpp "$LLAMA_BUILD/bin/llama-server" -m "$model" -t 2 --port "$PORT" -c 4096 -np 1)
+      tm=$(ready_and_peak tokenmill "${tm_serve[@]}")
+      tm=$("$PY" -c 'import json,sys; a, b = map(json.loads, sys.argv[1:]); print(json.dumps({**b, "ready_first_s": a["ready_s"], "peak_rss_first_gb": a["peak_rss_gb"]}))' "$first" "$tm")
       if [ -n "${READY_ONLY:-}" ]; then  # only the two servers' start, alternated
         echo "{\"size\": \"$size\", \"type\": \"$type\", \"commit\": \"$(git -C "$ROOT" rev-parse --short HEAD)\", \"tokenmill\": $tm, \"llama.cpp\": $lc}" >> "$out"
         continue
       fi
       dec=$(OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$model" --input-len 32 --output-len 64 \
-              --repeats 1 --kv-cache-memory 1GiB)
+              --repeats 1 --kv-cache-memory 1GiB --weight-cache "$WCACHE")
       pre=$(OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$model" --input-len 512 --output-len 2 \
-              --repeats 1 --no-enable-prefix-caching --kv-cache-memory 1GiB)
+              --repeats 1 --no-enable-prefix-caching --kv-cache-memory 1GiB --weight-cache "$WCACHE")
       lb=$("$LLAMA_BUILD/bin/llama-bench" -m "$model" -t 2 -p 512 -n 64 -r 1 -o json)
       "$PY" - "$size" "$type" "$file_bytes" "$tm" "$lc" "$dec" "$pre" "$lb" >> "$out" <<'PY'
 import json, sys

@@ -43,15 +43,20 @@ class ModelConfig:
         "float32 accuracy (the dequantized float path's perplexity). 8 (llama.cpp's Q8 arithmetic): half the "
         "integer products per weight, so batches and prompts run faster, for a small perplexity cost, and "
         "near-tied greedy choices flip as they do in llama.cpp (the default model then misnames the capital "
-        "of France, as llama.cpp's server does). auto (default): 16 on the AVX-512 kernel variants, 8 on the "
-        "AVX2 ones (avx2, avxvnni), where 16 costs twice the integer work. benchmarks/RESULTS.md has the "
-        "figures. The output head always uses 16. Ignored off the CPU kernels"))
+        "of France, as llama.cpp's server does). auto (default): 16 on every kernel variant; "
+        "benchmarks/RESULTS.md has the figures. The output head always uses 16. Ignored off the CPU kernels"))
     keep_float_weights: bool = field(default=False, metadata=_help(
         "also keep float copies of quantized weights and use them for steps of more than 32 tokens "
         "(prefill chunks, large batches); costs the float model's memory. Worth it only where the float "
         "GEMM beats the int4/int8 kernels (benchmarks/kernel_bench.py); with AVX512-VNNI it does not"))
+    weight_cache: str = field(default="auto", metadata=_help(
+        "auto | off | a directory: keep the packed CPU weights in one file there and map it on later starts "
+        "instead of reading and packing the model again. auto: $XDG_CACHE_HOME/tokenmill/weights (~/.cache), "
+        "for models of 256 MiB or more"))
 
     def __post_init__(self) -> None:
+        if not isinstance(self.weight_cache, str) or not self.weight_cache.strip():
+            raise ValueError(f"weight_cache must be auto, off or a directory, got {self.weight_cache!r}.")
         bits = self.activation_bits
         if isinstance(bits, str) and bits.strip() in ("8", "16"):  # from the command line
             object.__setattr__(self, "activation_bits", bits := int(bits))

@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.bench.workload import Item
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.models.weight_cache import wait_for_writes
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import wait_for_huge_pages
 
@@ -24,6 +25,7 @@ def latency(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int,
     also the acceptance rate (accepted / verified drafts) and the mean acceptance length (tokens
     per verifying step: 1 + accepted per verification, as vLLM reports it)."""
     wait_for_huge_pages()  # the steady state: the weights in huge pages, as a server is seconds after start
+    wait_for_writes()  # and the weight cache written, where a first start writes it
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
     runs, drafts = [], [0, 0, 0]  # verifications, draft tokens, accepted
     for r in range(repeats + 1):  # the first run warms up
@@ -61,6 +63,7 @@ def latency(engine: LLMEngine, prompt: list[int], output_len: int, repeats: int,
 
 def throughput(engine: LLMEngine, items: list[Item]) -> dict:
     wait_for_huge_pages()
+    wait_for_writes()
     params = [SamplingParams(temperature=0, max_tokens=it.max_tokens, ignore_eos=True) for it in items]
     prompt_tokens = 0
     t0 = time.perf_counter()

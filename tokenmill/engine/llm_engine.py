@@ -79,7 +79,8 @@ class LLMEngine:
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
                              quantization=mc.quantization, group_size=mc.quantization_group_size,
                              keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits,
-                             tp_group=tp_group, reserve_bytes=kv_cache.cpu_budget(cc.kv_cache_memory, self.device))
+                             tp_group=tp_group, reserve_bytes=kv_cache.cpu_budget(cc.kv_cache_memory, self.device),
+                             weight_cache=mc.weight_cache)
         self.arch, self.tokenizer = loaded.arch, loaded.tokenizer
         self.activation_bits = loaded.activation_bits
         self.dtype = next(loaded.model.parameters()).dtype
@@ -123,8 +124,9 @@ class LLMEngine:
         self._child_parent: dict[str, tuple[_Parent, int]] = {}
         self.kv_capacity_tokens = num_blocks * cc.block_size
         self.last_stats = StepStats()
-        log.info("loaded %s (%s, %d layers) on %s in %.1fs; KV cache %d blocks x %d = %d tokens (%.2f GiB, %s)",
+        log.info("loaded %s (%s, %d layers) on %s in %.1fs%s; KV cache %d blocks x %d = %d tokens (%.2f GiB, %s)",
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
+                 " (packed weights mapped from the weight cache)" if loaded.from_cache else "",
                  num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30, str(self.kv_dtype)[6:])
 
     # ------------------------------------------------------------------ intake

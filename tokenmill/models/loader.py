@@ -20,6 +20,7 @@ import torch
 from tokenmill import kernels, resources
 from tokenmill.layers.linear import PREQUANTIZED, QUANT_POLICIES, deferred_weights
 from tokenmill.models import hf_quant
+from tokenmill.models import weight_cache as weight_cache_mod
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.gguf_loader import GGUFFile, is_gguf
 from tokenmill.models.llama import CausalLM, load_weights
@@ -33,6 +34,7 @@ class LoadedModel:
     arch: ArchConfig
     tokenizer: Tokenizer | None
     activation_bits: int = 16  # what the CPU int kernels round inputs to, "auto" resolved
+    from_cache: bool = False   # the packed model was mapped from the weight cache
 
 
 @dataclass(frozen=True)
@@ -44,18 +46,22 @@ class _Plan:
     keep_float: bool
     activation_bits: int
     reserve_bytes: int
+    cache: weight_cache_mod.Entry | None = None
 
 
 def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = True,
          quantization: str = "auto", group_size: int = 32, keep_float: bool = False,
-         activation_bits: int | str = "auto", tp_group=None, reserve_bytes: int = 0) -> LoadedModel:
+         activation_bits: int | str = "auto", tp_group=None, reserve_bytes: int = 0,
+         weight_cache: str = "off") -> LoadedModel:
     """`tp_group`: this process is one rank of a tensor-parallel group (distributed/tensor_parallel
     TPGroup): the model built is the rank's shard, each tensor sliced as it is read.
     `quantization`: auto (GGUF 4-bit blocks -> int4, other block types -> int8; float
     checkpoints stay float), none, int8, int4 — see `Linear.quantize`. The int kernels run on
     CPU; on other devices weights stay in the model dtype. `activation_bits`: see ModelConfig.
     `reserve_bytes`: memory the caller will allocate next to the weights (its KV cache): a CPU
-    model is refused before loading when weights and reserve exceed what this process may use."""
+    model is refused before loading when weights and reserve exceed what this process may use.
+    `weight_cache`: off, auto (the default directory, models of WEIGHT_CACHE_MIN_BYTES or more) or a
+    directory: the packed CPU model is kept there and mapped on later loads (models/weight_cache)."""
     if quantization not in QUANT_POLICIES:
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
     if activation_bits != "auto" and activation_bits not in kernels.ACT_BITS:
@@ -65,12 +71,31 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
     policy = quantization if device.type == "cpu" else "none"
     if activation_bits == "auto":
         activation_bits = kernels.auto_activation_bits() if device.type == "cpu" and kernels.available() else 16
-    plan = _Plan(policy, group_size, keep_float, activation_bits, reserve_bytes)
+    cache = None
+    if weight_cache != "off" and device.type == "cpu" and tp_group is None:
+        cache_dir = weight_cache_mod.default_dir() if weight_cache == "auto" else weight_cache
+        settings = {"plan": [policy, group_size, keep_float, activation_bits], "isa": kernels.isa(),
+                    "dtype": str(resolve_dtype(dtype, torch.float32, device)), "lanes": kernels.LANES}
+        cache = weight_cache_mod.Entry(cache_dir, _source_files(path), settings)
+    plan = _Plan(policy, group_size, keep_float, activation_bits, reserve_bytes, cache)
     with resources.returning_freed_memory():
         loaded = _load(path, dtype, device, load_tokenizer, quantization, tp_group, plan)
-        loaded.model.quantize(policy, group_size, keep_float, activation_bits)
+        if not loaded.from_cache:
+            loaded.model.quantize(policy, group_size, keep_float, activation_bits)
+            if cache is not None:
+                cache.write_later(loaded.model, weight_cache_mod.WEIGHT_CACHE_MIN_BYTES if weight_cache == "auto" else 0)
     loaded.activation_bits = activation_bits
     return loaded
+
+
+def _source_files(path: str) -> list[str]:
+    """The files a model is read from: the GGUF, or a directory's config and safetensors."""
+    if os.path.isfile(path):
+        return [path]
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if not os.path.exists(os.path.join(path, "config.json")) and len(ggufs) == 1:
+        return ggufs
+    return [os.path.join(path, "config.json"), *sorted(glob.glob(os.path.join(path, "*.safetensors")))]
 
 
 def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str,
@@ -221,9 +246,10 @@ def _load_hf(path: str, dtype: str, device: torch.device, load_tokenizer: bool, 
         weights = hf_quant.convert(weights, prequant)
     _check_fits(path, [_hf_tensor(name, shape, prequant) for name, shape in shapes.items()], arch, plan, device,
                 tp_group)
-    model = _build(arch, resolve_dtype(dtype, src, device), device, weights, tp_group, plan)
+    cached = plan.cache.read() if plan.cache is not None else None
+    model = cached or _build(arch, resolve_dtype(dtype, src, device), device, weights, tp_group, plan)
     tok = Tokenizer.from_hf_dir(path) if load_tokenizer else None
-    return LoadedModel(model, arch, tok)
+    return LoadedModel(model, arch, tok, from_cache=cached is not None)
 
 
 def _safetensors_shapes(files: list[str]) -> dict[str, tuple[int, ...]]:
@@ -275,7 +301,8 @@ def _load_gguf(path: str, dtype: str, device: torch.device, load_tokenizer: bool
         raise ValueError(f"{path} has no token_embd.weight tensor; the file is incomplete.")
     check_declared_sizes(arch, g.hf_shapes(), path)
     _check_fits(path, g.footprint(), arch, plan, device, tp_group)
-    model = _build(arch, resolve_dtype(dtype, torch.float32, device), device,
-                   g.hf_weights(arch.num_heads, arch.num_kv_heads), tp_group, plan)
+    cached = plan.cache.read() if plan.cache is not None else None
+    model = cached or _build(arch, resolve_dtype(dtype, torch.float32, device), device,
+                             g.hf_weights(arch.num_heads, arch.num_kv_heads), tp_group, plan)
     tok = Tokenizer.from_gguf(g.meta) if load_tokenizer else None
-    return LoadedModel(model, arch, tok)
+    return LoadedModel(model, arch, tok, from_cache=cached is not None)
