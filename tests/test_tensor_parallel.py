@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.distributed.tensor_parallel import ShardPlan, row_parallel_bounds, split
+from tokenmill.layers.tensor_parallel import ShardPlan, row_parallel_bounds, split
 from tokenmill.layers.linear import reduction_segment
 from tokenmill.models.arch import ArchConfig
 from tokenmill.quant import int4

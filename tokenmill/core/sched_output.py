@@ -1,5 +1,5 @@
-"""The contracts between scheduler and runner: plain dataclasses of ints and lists, and the only
-channel between them. The runner learns of a request when it is first scheduled (`NewRequest`),
+"""The contracts between scheduler and runner (and the runner's to its draft proposers): plain
+dataclasses of ints and lists, and the only channel between them. The runner learns of a request when it is first scheduled (`NewRequest`),
 follows its block table through deltas, and forgets it when its id is in `finished_req_ids`."""
 from __future__ import annotations
 
@@ -97,3 +97,13 @@ class StepTiming:
     propose_s: float = 0.0
     propose_passes: int = 0
     propose_rows: int = 0
+
+
+@dataclass
+class DraftRequest:
+    """What the runner asks a proposer (spec/) for."""
+    req_id: str
+    token_ids: list[int]   # prompt + output so far (the runner's list: read, never change it)
+    prompt_len: int
+    params: SamplingParams
+    num_drafts: int        # most drafts wanted

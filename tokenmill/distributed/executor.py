@@ -340,19 +340,3 @@ class MultiprocExecutor(Executor):
             if p.is_alive():
                 p.kill()
                 p.join()
-
-
-def start(config: EngineConfig) -> Executor:
-    """The executor for config.parallel: workers started, rank 0 in the group."""
-    par = config.parallel
-    if par.distributed_executor_backend == "ray":
-        from tokenmill.distributed.ray_executor import RayExecutor
-        executor: Executor = RayExecutor(config, par.tensor_parallel_size)
-    else:
-        executor = MultiprocExecutor(config, par.tensor_parallel_size)
-    try:
-        executor.start()
-    except BaseException:
-        executor.close()
-        raise
-    return executor

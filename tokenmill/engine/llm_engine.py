@@ -52,8 +52,8 @@ class LLMEngine:
         # tensor parallelism: workers started and this process pinned as rank 0 before anything loads
         self.executor = None
         if config.parallel.tensor_parallel_size > 1:
-            from tokenmill.distributed import executor
-            self.executor = executor.start(config)
+            from tokenmill.distributed import launch
+            self.executor = launch.start(config)
         self.governor = None
         if config.parallel.tensor_parallel_size == 1 and self.device.type == "cpu":
             # process-wide: ATen's pool, which the CPU kernels share

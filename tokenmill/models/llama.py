@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.distributed.tensor_parallel import row_parallel_bounds
+from tokenmill.layers.tensor_parallel import row_parallel_bounds
 from tokenmill.layers.attention import Attention, get_forward_context
 from tokenmill.layers.embedding import Embedding
 from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear, QuantArgs, leaf_weights, quant_matmul

@@ -182,7 +182,7 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
            plan: _Plan) -> CausalLM:
     tp = None
     if tp_group is not None:
-        from tokenmill.distributed.tensor_parallel import ShardPlan
+        from tokenmill.layers.tensor_parallel import ShardPlan
         tp = (ShardPlan.for_rank(arch, tp_group.rank, tp_group.size), tp_group)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

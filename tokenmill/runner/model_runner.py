@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.core.sched_output import RunnerOutput, ScheduledRequest, SchedulerOutput, StepTiming
+from tokenmill.core.sched_output import DraftRequest, RunnerOutput, ScheduledRequest, SchedulerOutput, StepTiming
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
 from tokenmill.models import decode_stack
 from tokenmill.models.llama import CausalLM
@@ -22,7 +22,6 @@ from tokenmill.runner import kv_cache
 from tokenmill.sampling import rejection
 from tokenmill.sampling.sampler import Sampler, SamplingRow, noise_seed, token_logprobs
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.request import DraftRequest
 from tokenmill.utils import gather_in_huge_pages
 
 log = logging.getLogger("tokenmill")

@@ -26,13 +26,12 @@ import torch
 
 from tokenmill.core.block_manager import BlockManager
 from tokenmill.core.request import Request
-from tokenmill.core.sched_output import NewRequest, ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import DraftRequest, NewRequest, ScheduledRequest, SchedulerOutput
 from tokenmill.models.loader import LoadedModel
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling import rejection
 from tokenmill.sampling.sampler import SamplingRow, noise_seed
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.request import DraftRequest
 
 log = logging.getLogger("tokenmill")
 MAX_CATCH_UP = 512  # tokens one request may feed the draft in one step (a long prompt takes several)

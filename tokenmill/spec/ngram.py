@@ -12,7 +12,7 @@ the prompt is indexed once, on the first call.
 """
 from __future__ import annotations
 
-from tokenmill.spec.request import DraftRequest
+from tokenmill.core.sched_output import DraftRequest
 
 
 class _Index:

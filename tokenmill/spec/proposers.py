@@ -9,7 +9,7 @@ from tokenmill.config import SpeculativeConfig
 from tokenmill.models import loader
 from tokenmill.models.loader import LoadedModel
 from tokenmill.spec.ngram import NgramProposer
-from tokenmill.spec.request import DraftRequest
+from tokenmill.core.sched_output import DraftRequest
 
 
 class Proposer(Protocol):
