@@ -160,8 +160,9 @@ def worker_main(spec: WorkerSpec, die_with_parent: bool = True) -> None:
 
 
 class Executor:
-    """Rank 0's handle on its workers: start, feed each step, watch, stop. Subclasses start the
-    workers (`_start_workers`) and say whether one has stopped (`_dead_worker`)."""
+    """Rank 0's handle on its workers: start, feed each step, watch, stop; the engine's way into
+    its runner as runner/executor.UniprocExecutor is for one process (the same methods). Subclasses
+    start the workers (`_start_workers`) and say whether one has stopped (`_dead_worker`)."""
     join_hint = ""  # what a worker's death before it joined most often means, for the error
 
     def __init__(self, config: EngineConfig, size: int) -> None:
@@ -172,6 +173,7 @@ class Executor:
         self._closed = False
         self._handshaken = False  # past the handshake the workers wait in the step broadcast
         self.group: TPGroup | None = None
+        self.runner = None  # rank 0's (`attach`)
 
     def start(self) -> TPGroup:
         """Start the workers, join the group as rank 0; its group is for rank 0's shard."""
@@ -225,13 +227,17 @@ class Executor:
                 pass
         self.close()
 
-    def execute(self, runner, sched):
+    def attach(self, runner) -> None:
+        """Rank 0's runner, once the KV cache is sized."""
+        self.runner = runner
+
+    def execute(self, sched):
         """Hand the step to every rank, run rank 0's part (forward, sampling) and return its output."""
         with self._lock:
             self._check()
             try:
                 self.group.broadcast(sched)
-                out = runner.execute(sched)
+                out = self.runner.execute(sched)
             except Exception as e:
                 time.sleep(0.2)  # a worker's death and the error it caused arrive together: name the cause
                 self._check()

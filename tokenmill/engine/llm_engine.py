@@ -1,4 +1,5 @@
-"""LLMEngine: owns the scheduler, the runner and the detokenizer, and turns one call of `step()`
+"""LLMEngine: owns the scheduler, the executor (the one way into the runner: runner/executor.py,
+or distributed/ for tensor-parallel ranks) and the detokenizer, and turns one call of `step()`
 into one batched forward pass plus the outputs it produced.
 
 A request with n > 1 becomes n child sequences (`<id>#<i>`) that run independently; their
@@ -23,6 +24,7 @@ from tokenmill.engine.threads import ThreadGovernor, default_threads
 from tokenmill.models import loader
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.runner import kv_cache
+from tokenmill.runner.executor import UniprocExecutor
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec import proposers
@@ -50,7 +52,7 @@ class LLMEngine:
         self.model_path = mc.model or default_model_path()
         self.device = resolve_device(mc.device)
         # tensor parallelism: workers started and this process pinned as rank 0 before anything loads
-        self.executor = None
+        self.executor: UniprocExecutor = UniprocExecutor()
         if config.parallel.tensor_parallel_size > 1:
             from tokenmill.distributed import launch
             self.executor = launch.start(config)
@@ -67,15 +69,14 @@ class LLMEngine:
             with huge_pages_after_load():  # the weights' huge pages are taken after start-up (utils)
                 self._build(config)
         except BaseException as e:
-            if self.executor is not None:
-                self.executor.abandon(f"{type(e).__name__}: {e}")
+            self.executor.abandon(f"{type(e).__name__}: {e}")
             raise
 
     def _build(self, config: EngineConfig) -> None:
         mc, cc, sc = config.model, config.cache, config.scheduling
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
-        tp_group = None if self.executor is None else self.executor.group
+        tp_group = self.executor.group
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
                              quantization=mc.quantization, group_size=mc.quantization_group_size,
                              keep_float=mc.keep_float_weights, activation_bits=mc.activation_bits,
@@ -100,16 +101,15 @@ class LLMEngine:
         num_blocks, budget = kv_cache.num_blocks_for(loaded.model.cfg, cc.block_size, self.kv_dtype, self.device,
                                                      cc.kv_cache_memory, cc.gpu_memory_utilization,
                                                      draft_block_bytes)
-        if self.executor is not None:
-            self.executor.handshake(num_blocks)
+        self.executor.handshake(num_blocks)
         self.block_size = cc.block_size
         proposer = None if spec is None else proposers.build(spec, draft, num_blocks, cc.block_size, self.device,
                                                              self.kv_dtype, cc.enable_prefix_caching)
         # structured outputs need the tokenizer's vocabulary (a tokenizer-less engine refuses them)
         self.grammars = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer.tok.to_str(), self.arch.vocab_size, sorted(self.tokenizer.eos_token_ids))
-        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype, proposer,
-                                  grammars=self.grammars)
+        self.executor.attach(ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype,
+                                         proposer, grammars=self.grammars))
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
@@ -249,17 +249,21 @@ class LLMEngine:
             self._execute(self.scheduler.schedule())
 
     def _execute(self, sched):
-        return self.runner.execute(sched) if self.executor is None else self.executor.execute(self.runner, sched)
+        return self.executor.execute(sched)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's runner, to look at (its model, for byte counts and tests); steps go through
+        the executor."""
+        return self.executor.runner
 
     def check_health(self) -> None:
         """Raises if the engine can no longer run (a tensor-parallel rank died); called while idle."""
-        if self.executor is not None:
-            self.executor.check_health()
+        self.executor.check_health()
 
     def shutdown(self) -> None:
         """Stops the worker ranks, if any (the engine is unusable afterwards)."""
-        if self.executor is not None:
-            self.executor.close()
+        self.executor.close()
 
     def _mark_scheduled(self, sched) -> None:
         now = time.monotonic()
