@@ -196,7 +196,7 @@ def run(requests: int = 300, concurrency: int = 24, seed: int = 0, kv_cache_memo
         while time.monotonic() < deadline and (engine.has_unfinished_requests() or client._streams):
             time.sleep(0.1)
         bm = engine.block_manager
-        leaked_requests = len(engine.parents) + len(engine.scheduler.running) + len(engine.scheduler.waiting)
+        leaked_requests = engine.get_num_unfinished_requests() + engine.num_running() + engine.num_waiting()
         integrity = "ok"
         try:
             bm.check_integrity([])

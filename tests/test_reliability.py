@@ -510,9 +510,9 @@ def test_callers_that_leave_while_their_request_is_being_added_leave_the_engine_
         out = asyncio.run(asyncio.wait_for(main(), 120))  # the old failure: a dead engine thread, a hang
         assert out is not None and client.dead is None
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (engine.parents or client._streams):
+        while time.monotonic() < deadline and (engine.get_num_unfinished_requests() or client._streams):
             time.sleep(0.05)
-        assert not engine.parents and not client._streams
+        assert not engine.get_num_unfinished_requests() and not client._streams
         engine.block_manager.check_integrity([])
     finally:
         client.shutdown()

@@ -69,11 +69,11 @@ def throughput(engine: LLMEngine, items: list[Item]) -> dict:
     t0 = time.perf_counter()
     for i, (it, p) in enumerate(zip(items, params)):
         engine.add_request(f"tp-{i}", it.prompt, p)
-        prompt_tokens += len(engine.parents[f"tp-{i}"].prompt_token_ids)
     output_tokens = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             output_tokens += sum(len(o.delta_token_ids) for o in out.outputs)
+            prompt_tokens += len(out.prompt_token_ids) if out.finished else 0
     elapsed = time.perf_counter() - t0
     return {"num_requests": len(items), "elapsed_s": elapsed, "requests_per_s": len(items) / elapsed,
             "output_tokens": output_tokens, "prompt_tokens": prompt_tokens,

@@ -89,6 +89,15 @@ class Scheduler:
             self._finished_ids.append(req_id)
         return req
 
+    def stop_at(self, req: Request, num_tokens: int, stop_reason: str | int | None) -> None:
+        """Ends a sequence after its first `num_tokens` tokens: where the output processor found a
+        stop string, even in a sequence that finished on its own this step (later tokens dropped)."""
+        del req.token_ids[num_tokens:]
+        del req.logprobs[max(0, num_tokens - req.prompt_len):]
+        req.finish_reason, req.stop_reason = "stop", stop_reason
+        if not req.is_finished:
+            self.finish_request(req.req_id, "stop")
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -198,10 +198,10 @@ class AsyncEngine:
             self._wake.clear()
             return
         outputs = engine.step()
-        self._engine_waiting = len(engine.scheduler.waiting)
+        self._engine_waiting = engine.num_waiting()
         self._deliver(outputs)
         if self.stat_logger is not None:
-            self.stat_logger(engine.last_stats)
+            self.stat_logger(engine.stats())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their event loops, one wake-up per loop and step: a call per
@@ -239,7 +239,7 @@ class AsyncEngine:
                     self._deadlines[req_id] = deadlines
                 with self._lock:
                     self._pending_adds -= 1
-                    self._engine_waiting = len(self.engine.scheduler.waiting)
+                    self._engine_waiting = self.engine.num_waiting()
                 _settle(added)  # a caller that left meanwhile has queued an abort behind this add
             else:
                 self._abort(cmd[1])
@@ -247,17 +247,13 @@ class AsyncEngine:
     def _abort(self, req_id: str, err: BaseException | None = None) -> None:
         """Stops the request in the engine; `err` goes to its stream (a client that aborted itself
         is not waiting for anything)."""
-        parent = self.engine.parents.get(req_id)
-        stopped = [c for c in parent.children if not c.is_finished] if parent is not None else []
         self.engine.abort_request(req_id)
         target = self._streams.pop(req_id, None)
         self._deadlines.pop(req_id, None)
         if err is not None and target is not None:
             target[0].call_soon_threadsafe(target[1].put_nowait, err)
         if self.stat_logger is not None:  # the stopped sequences count as finished with "abort"
-            self.stat_logger(StepStats(num_running=len(self.engine.scheduler.running),
-                                       num_waiting=len(self.engine.scheduler.waiting),
-                                       kv_cache_usage=self.engine.block_manager.usage, finished=stopped))
+            self.stat_logger(self.engine.stats())
 
     def _expire(self, now: float) -> None:
         for req_id, (total, queued) in list(self._deadlines.items()):

@@ -58,9 +58,7 @@ class LLM:
         try:
             for (text, prompt), p in zip(prompts, params):
                 req_id = f"gen-{next(self._ids)}"
-                engine.add_request(req_id, prompt, p)
-                if text is not None:
-                    engine.parents[req_id].prompt = text
+                engine.add_request(req_id, prompt, p, prompt_text=text)
                 ids.append(req_id)
         except ValueError:
             for req_id in ids:

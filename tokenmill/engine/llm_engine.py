@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -19,10 +18,10 @@ from tokenmill.core.request import Request
 from tokenmill.core.sched_output import StepStats
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.speculation import DraftPolicy
-from tokenmill.engine.detokenizer import DetokState
+from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.threads import ThreadGovernor, default_threads
 from tokenmill.models import loader
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.runner import kv_cache
 from tokenmill.runner.executor import UniprocExecutor
 from tokenmill.runner.model_runner import ModelRunner
@@ -32,17 +31,6 @@ from tokenmill.structured.grammar import GrammarCompiler
 from tokenmill.utils import default_model_path, huge_pages_after_load, resolve_device
 
 log = logging.getLogger("tokenmill")
-
-
-@dataclass
-class _Parent:
-    req_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detoks: list[DetokState | None]
-    outputs: list[CompletionOutput]
-    error: str | None = None
 
 
 class LLMEngine:
@@ -120,10 +108,10 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                                    sc.scheduling_policy, window), self.block_manager, policy)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
-        self.parents: dict[str, _Parent] = {}
-        self._child_parent: dict[str, tuple[_Parent, int]] = {}
+        self.output = OutputProcessor(self.tokenizer, self.scheduler)
         self.kv_capacity_tokens = num_blocks * cc.block_size
-        self.last_stats = StepStats()
+        self._stats: StepStats | None = None   # the last step's, until `stats()` takes it
+        self._aborted: list[Request] = []      # sequences aborts ended since `stats()` was last taken
         log.info("loaded %s (%s, %d layers) on %s in %.1fs%s; KV cache %d blocks x %d = %d tokens (%.2f GiB, %s)",
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
                  " (packed weights mapped from the weight cache)" if loaded.from_cache else "",
@@ -131,13 +119,16 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                    prompt_text: str | None = None) -> None:
         """`cache_salt`: requests share cached prefix blocks only with requests of the same salt
-        (vLLM's field; one per tenant keeps tenants from probing each other's prompts)."""
+        (vLLM's field; one per tenant keeps tenants from probing each other's prompts).
+        `prompt_text`: the prompt the outputs show, where token ids are given for a text (a
+        rendered chat)."""
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.100}.")
-        if req_id in self.parents:
+        if req_id in self.output:
             raise ValueError(f"request id {req_id!r} is already in use.")
         text, ids = self._tokenize(prompt)
         self._check_length(len(ids), params)
@@ -150,16 +141,11 @@ class LLMEngine:
                              f"{[t for t in params.logit_bias if t >= vocab][:5]}.")
         self.compile_constraint(params)
         params_list = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
-        parent = _Parent(req_id, text, ids, [], [], [])
-        for i, p in enumerate(params_list):
-            child_id = req_id if params.n == 1 else f"{req_id}#{i}"
-            req = Request(child_id, ids, p, self.eos_token_ids, arrival_time, priority, cache_salt)
-            parent.children.append(req)
-            parent.detoks.append(DetokState(self.tokenizer, ids, p) if self.tokenizer else None)
-            parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))
-            self._child_parent[child_id] = (parent, i)
+        children = [Request(req_id if params.n == 1 else f"{req_id}#{i}", ids, p, self.eos_token_ids, arrival_time,
+                            priority, cache_salt) for i, p in enumerate(params_list)]
+        for req in children:
             self.scheduler.add_request(req)
-        self.parents[req_id] = parent
+        self.output.add(req_id, text if prompt_text is None else prompt_text, children)
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile (and cache) a request's structured-output constraint, or raise ValueError
@@ -208,23 +194,38 @@ class LLMEngine:
     def abort_request(self, req_id: str) -> RequestOutput | None:
         """Stops a request now and frees its KV blocks; returns its final output (finish_reason
         'abort' on the sequences that had not finished), or None if it is unknown or done."""
-        parent = self.parents.get(req_id)
-        if parent is None:
-            return None
-        for i, req in enumerate(parent.children):
-            if not req.is_finished:
-                self.scheduler.finish_request(req.req_id, "abort")
-                self._finish_child(parent, i)
+        out, stopped = self.output.abort(req_id)
+        self._aborted += stopped
         self._release_if_idle()
-        return self._request_output(parent, set(range(len(parent.children))))
+        return out
 
     def was_scheduled(self, req_id: str) -> bool:
         """Whether any sequence of the request has been scheduled (unknown ids count as scheduled)."""
-        parent = self.parents.get(req_id)
-        return parent is None or any(c.metrics.first_scheduled_time is not None for c in parent.children)
+        return self.output.was_scheduled(req_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (not sequences) the engine holds: added, not yet finished or aborted."""
+        return len(self.output)
+
+    def num_waiting(self) -> int:
+        """Sequences waiting to be scheduled (not yet admitted, or preempted)."""
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def stats(self) -> StepStats:
+        """What happened since the last call, for metrics: the last step's numbers and samples,
+        the sequences aborts ended, and the gauges as they are now. Each sample is handed out once."""
+        st, self._stats = self._stats or StepStats(), None
+        st.finished += self._aborted
+        self._aborted = []
+        st.num_running, st.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
+        st.kv_cache_usage = self.block_manager.usage
+        return st
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
@@ -236,8 +237,9 @@ class LLMEngine:
         if self.governor is not None:
             self.governor.tick()
         advanced = self.scheduler.update(sched, result)
-        self.last_stats = self.scheduler.stats
-        outputs = self._process(advanced)
+        outputs, finished = self.output.process(advanced)
+        self._stats = self.scheduler.stats
+        self._stats.finished += finished
         self._release_if_idle()
         return outputs
 
@@ -271,82 +273,3 @@ class LLMEngine:
             m = self.scheduler.requests[entry.req_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-
-    def _process(self, advanced: list[tuple[Request, int]]) -> list[RequestOutput]:
-        """Text deltas and stop strings for the tokens each request gained; a stop string inside a
-        step's tokens ends the request there (the tokens after it are dropped)."""
-        touched: dict[str, tuple[_Parent, set[int]]] = {}
-        for req, num_new in advanced:
-            if req.req_id not in self._child_parent:  # a sibling failed earlier in this loop
-                continue
-            parent, i = self._child_parent[req.req_id]
-            if req.error is not None:  # one sequence failed: the request fails, its siblings stop
-                parent.error = req.error
-                for j, sib in enumerate(parent.children):
-                    if not sib.is_finished:
-                        self.scheduler.finish_request(sib.req_id, "abort")
-                    if sib.req_id in self._child_parent:
-                        self._finish_child(parent, j)
-                touched[parent.req_id] = (parent, set(range(len(parent.children))))
-                continue
-            detok = parent.detoks[i]
-            if detok is not None:
-                first = req.num_tokens - num_new
-                for pos in range(first, req.num_tokens):
-                    stop = detok.add_tokens([req.token_ids[pos]])
-                    if stop is not None:
-                        del req.token_ids[pos + 1:]
-                        del req.logprobs[pos + 1 - req.prompt_len:]
-                        req.finish_reason, req.stop_reason = "stop", stop
-                        if not req.is_finished:
-                            self.scheduler.finish_request(req.req_id, "stop")
-                        break
-            if req.is_finished:
-                self._finish_child(parent, i)
-                self.last_stats.finished.append(req)
-            touched.setdefault(parent.req_id, (parent, set()))[1].add(i)
-        return [self._request_output(p, idx) for p, idx in touched.values()]
-
-    def _finish_child(self, parent: _Parent, i: int) -> None:
-        req = parent.children[i]
-        req.metrics.finished_time = time.monotonic()
-        self._child_parent.pop(req.req_id, None)
-        if all(c.is_finished for c in parent.children):
-            self.parents.pop(parent.req_id, None)
-
-    def _request_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
-        for i in changed:
-            req, out, detok = parent.children[i], parent.outputs[i], parent.detoks[i]
-            new_ids = req.output_token_ids[len(out.token_ids):]
-            out.token_ids = list(req.output_token_ids)
-            out.delta_token_ids = new_ids
-            out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
-            if detok is not None:
-                out.delta_text = detok.take_delta(req.is_finished)
-                out.text = detok.text[:detok.num_emitted]
-            if req.params.logprobs is not None:
-                done = out.logprobs or []
-                out.logprobs = done + [self.logprobs_for(tid, entry) for tid, entry in
-                                       zip(req.output_token_ids[len(done):], req.logprobs[len(done):])]
-                out.cumulative_logprob = sum(e[0] for e in req.logprobs)
-        for i in set(range(len(parent.outputs))) - changed:
-            parent.outputs[i].delta_text, parent.outputs[i].delta_token_ids = "", []
-        finished = all(c.is_finished for c in parent.children)
-        metrics = parent.children[0].metrics
-        return RequestOutput(parent.req_id, parent.prompt, parent.prompt_token_ids,
-                             [_copy(o) for o in parent.outputs], finished, metrics, parent.error)
-
-    def logprobs_for(self, token_id: int, entry: tuple[float, int, list[tuple[int, float]]]) -> dict[int, Logprob]:
-        """One position's logprobs: the sampled token first, then the top-k alternatives."""
-        chosen, rank, top = entry
-        dec = (lambda t: self.tokenizer.decode([t], skip_special_tokens=False)) if self.tokenizer else (lambda t: None)
-        d = {token_id: Logprob(chosen, rank, dec(token_id))}
-        for r, (tid, lp) in enumerate(top, start=1):
-            d.setdefault(tid, Logprob(lp, r, dec(tid)))
-        return d
-
-
-def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
-                            list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason,
-                            o.delta_text, list(o.delta_token_ids))
