@@ -53,8 +53,7 @@ class EngineClient(Protocol):
                  priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
     @property
     def num_waiting(self) -> int:
-        """Requests not yet running: queued for the engine thread plus the scheduler's queue."""
-        return self._pending_adds + self._engine_waiting
+        """Requests not yet running: queued for the engine plus the engine's own queue."""
 
     def abort(self, req_id: str) -> None: ...
 
@@ -107,6 +106,8 @@ class AsyncEngine:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
+            # the one piece of the engine other threads may call: its thread-safe constraint compiler
+            self._constraints = self.engine.constraint_compiler()
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
             failed.append(e)
             return
@@ -120,7 +121,7 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError("the engine has stopped after an internal error")
         if params.structured_outputs is not None:  # compiled here, off the engine thread (ValueError: 400)
-            await asyncio.to_thread(self.engine.compile_constraint, params)
+            await asyncio.to_thread(self._constraints, params)
         with self._lock:
             waiting = self.num_waiting
             if self.max_queue_len is not None and waiting >= self.max_queue_len:

@@ -7,8 +7,10 @@ outputs are gathered back under the parent id.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -149,17 +151,14 @@ class LLMEngine:
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile (and cache) a request's structured-output constraint, or raise ValueError
-        saying what is wrong with it. Thread-safe: the server calls it off the engine thread, so
-        a slow schema never stalls a step; the engine's own call is then a cache hit."""
-        spec = params.structured_outputs
-        if spec is None:
-            return
-        if self.grammars is None:
-            raise ValueError("structured outputs need the model's tokenizer; this engine was started without one.")
-        if params.ignore_eos:
-            raise ValueError("ignore_eos cannot be combined with structured outputs: the constraint decides "
-                             "where the output ends.")
-        self.grammars.compile(spec)
+        saying what is wrong with it."""
+        _compile_constraint(self.grammars, params)
+
+    def constraint_compiler(self) -> Callable[[SamplingParams], None]:
+        """`compile_constraint` without the engine: the server calls it on a worker thread, so a
+        slow schema never stalls a step (the engine's own call is then a cache hit); the compiler
+        is thread-safe, the engine is not."""
+        return functools.partial(_compile_constraint, self.grammars)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -273,3 +272,15 @@ class LLMEngine:
             m = self.scheduler.requests[entry.req_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
+
+
+def _compile_constraint(grammars: GrammarCompiler | None, params: SamplingParams) -> None:
+    spec = params.structured_outputs
+    if spec is None:
+        return
+    if grammars is None:
+        raise ValueError("structured outputs need the model's tokenizer; this engine was started without one.")
+    if params.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with structured outputs: the constraint decides "
+                         "where the output ends.")
+    grammars.compile(spec)
