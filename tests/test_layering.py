@@ -46,7 +46,7 @@ TORCH_FREE = ("core", "structured")
 # lines a module may have: a reader's afternoon is many small files, not a few long ones
 BUDGET = {".py": 400, ".cpp": 600, ".h": 600}
 # over budget today, each to be split (issue #37); the list may only shrink
-OVER_BUDGET = {"server/api.py", "cli.py", "kernels/attention.cpp", "kernels/linear.cpp"}
+OVER_BUDGET = {"cli.py", "kernels/attention.cpp", "kernels/linear.cpp"}
 
 
 def imports(path: pathlib.Path) -> set[str]:

@@ -94,11 +94,11 @@ def test_history_tool_calls_reach_the_template_with_object_arguments():
     """OpenAI sends an earlier call's arguments as JSON text; templates render them with tojson, so
     they are handed over as an object (a string would be quoted twice)."""
     from tokenmill.server import protocol as P
-    from tokenmill.server.api import _conversation
+    from tokenmill.server.params import conversation
 
     msgs = [P.ChatMessage(role="assistant", content=None, tool_calls=[
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]),
         P.ChatMessage(role="tool", content='{"temp": 21}', tool_call_id="call_1")]
-    conv = _conversation(msgs)
+    conv = conversation(msgs)
     assert conv[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert conv[1] == {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}
