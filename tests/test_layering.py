@@ -17,7 +17,7 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "tokenmill"
 # bottom to top; the top-level modules are one-file packages of floor 0
 FLOORS = [
     {"kernels", "config", "cpus", "outputs", "resources", "sampling_params", "utils"},
-    {"core", "structured", "quant", "sampling"},
+    {"core", "structured", "quant", "sampling", "flags"},
     {"layers"},
     {"models"},
     {"runner"},
@@ -46,7 +46,7 @@ TORCH_FREE = ("core", "structured")
 # lines a module may have: a reader's afternoon is many small files, not a few long ones
 BUDGET = {".py": 400, ".cpp": 600, ".h": 600}
 # over budget today, each to be split (issue #37); the list may only shrink
-OVER_BUDGET = {"cli.py", "kernels/attention.cpp", "kernels/linear.cpp"}
+OVER_BUDGET = {"kernels/attention.cpp", "kernels/linear.cpp"}
 
 
 def imports(path: pathlib.Path) -> set[str]:

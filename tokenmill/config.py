@@ -98,8 +98,8 @@ class CacheConfig:
 class SchedulingConfig:
     max_num_seqs: int = field(default=64, metadata=_help("most requests in one batch"))
     max_num_batched_tokens: int = field(default=256, metadata=_help(
-        "token budget of one engine step; long prompts are chunked to fit. 256 measured here: smaller chunks "
-        "keep running decodes flowing while a long prompt is prefilled (benchmarks/decode_stall.sh)"))
+        "token budget of one engine step; long prompts are chunked to fit. Smaller chunks keep running "
+        "decodes flowing while a long prompt is prefilled (benchmarks/decode_stall.py measures the choice)"))
     scheduling_policy: str = field(default="fcfs", metadata=_help(
         "fcfs | priority (requests with a lower `priority` value go first)"))
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata=_help(

@@ -111,9 +111,9 @@ def check_fits(weights: int, kv_cache: int, what: str, root: str | None = None, 
 @contextlib.contextmanager
 def returning_freed_memory():
     """After loading, glibc's heap gives back what the load's conversion buffers freed
-    (malloc_trim): otherwise the heap keeps it, +0.5-0.9 GB resident after a 1B load. glibc's
-    thresholds are left to adapt as they do (fixing them made a serving process's heap grow by
-    ~50 MiB over the soak test's 300 requests, and with a fixed trim threshold cost prompts 8 %)."""
+    (malloc_trim): otherwise the heap keeps it, hundreds of MB resident after a 1B load. glibc's
+    thresholds are left to adapt as they do (fixing them made a serving process's heap grow over
+    the soak test's requests, and a fixed trim threshold slowed prompts)."""
     try:
         yield
     finally:

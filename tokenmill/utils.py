@@ -80,9 +80,9 @@ def huge_pages_after_load():
     """Weights packed inside are written into 4 KiB pages and turned into huge pages afterwards, by
     a background thread (MADV_COLLAPSE, a range at a time; `wait_for_huge_pages`). Why: a huge page
     faulted in while packing must first be found free and whole, which cost a 3B model's load
-    ~2.7 s of its ~0.7 s of packing on this project's VMs; in 4 KiB pages the packing runs at its
-    own speed and the server is ready that much sooner, decoding ~8 % slower until the promotion
-    is done. Kernels before 6.1 lack MADV_COLLAPSE: there khugepaged promotes the advised ranges
+    several times its packing on this project's VMs; in 4 KiB pages the packing runs at its own
+    speed and the server is ready that much sooner, decoding a few percent slower until the
+    promotion is done (benchmarks/RESULTS.md §1). Kernels before 6.1 lack MADV_COLLAPSE: there khugepaged promotes the advised ranges
     in its own time."""
     global _deferred
     _deferred = []
@@ -144,9 +144,9 @@ def gather_in_huge_pages(holders: list[tuple[object, str]]) -> None:
     huge-page arena, in list order, each 64-byte aligned, and points the attributes at them. Why one
     arena: a small model's weights come as many tensors smaller than a 2 MiB page; laid out back to
     back in the order a forward pass reads them, they stream through few TLB entries (batch-1 int4
-    products 6-7 % faster here, measured against the same weights in 4 KiB pages). Larger tensors
-    are packed into huge pages of their own (`huge_page_zeros`) and stay where they are: copying
-    an 8B model's 4.7 GB once more cost 8 s of its start."""
+    products are faster than on the same weights in 4 KiB pages). Larger tensors are packed into
+    huge pages of their own (`huge_page_zeros`) and stay where they are: copying an 8B model's
+    weights once more would cost seconds of its start."""
     import torch
 
     holders = [(obj, name) for obj, name in holders if getattr(obj, name).nbytes < HUGE_PAGE_MIN_BYTES]

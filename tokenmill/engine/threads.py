@@ -4,8 +4,8 @@ while other work holds some of them.
 Why fewer: every kernel call is a fork-join over all threads (ATen's OpenMP pool), so a step waits
 for its slowest thread. When another process busies one of the cores, the thread sharing it is off
 the core for whole scheduler slices and every one of a step's few hundred joins waits for it: on 2
-cores with a busy loop on one, 2 threads decoded the default model ~9x slower than alone and 1
-thread ~1.5x slower (benchmarks/RESULTS.md). Waiting for a core shows in the kernel's per-thread
+cores with a busy loop on one, 2 threads decoded the default model several times slower than 1
+thread (benchmarks/contention.py; figures in benchmarks/RESULTS.md). Waiting for a core shows in the kernel's per-thread
 run-queue delay (/proc/self/task/*/schedstat); when it passes a fraction of the time, one thread
 less; now and then one more is tried again, and kept if the waiting does not come back.
 """

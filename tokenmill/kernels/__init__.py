@@ -79,8 +79,8 @@ def isa() -> str | None:
 
 def auto_activation_bits() -> int:
     """What `activation_bits="auto"` means: 16 on every variant. 8-bit activations (llama.cpp's Q8
-    arithmetic) halve the integer products per weight but cost +0.17-0.25 % perplexity on the
-    default model and flip near-tied greedy answers (it then misnames the capital of France on every
+    arithmetic) halve the integer products per weight but cost perplexity on the default model
+    (benchmarks/ppl.sh) and flip near-tied greedy answers (it then misnames the capital of France on every
     variant); at real sizes decode streams weights from memory, where the second product per weight
     is nearly free (benchmarks/RESULTS.md). `--activation-bits 8` remains for prompt-heavy loads."""
     return 16
@@ -331,7 +331,8 @@ def head_rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """(N, V) float32 -> (N,) int64 index of each row's largest value, the first one on ties and
-    the first NaN if any, as torch.argmax (which takes ~1 ms for 16 rows of a 49k vocabulary here)."""
+    the first NaN if any, as torch.argmax (which is slow at a vocabulary's width: a noticeable part of a
+    batched decode step)."""
     return torch.ops.tokenmill.argmax_rows(x)
 
 

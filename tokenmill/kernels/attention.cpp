@@ -491,10 +491,9 @@ bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tenso
 // query tokens); each kChunk-token chunk of context is widened (K transposed in registers) once per item,
 // then the item's query rows (tokens x the heads sharing the KV head) take it kRowBlock rows at a
 // time, GEMM-style: one K vector load feeds kRowBlock FMAs for the scores, the online softmax runs
-// once per 32 tokens, and P.V runs on register tiles (pv_rows). 128 tokens after 1,008 cached, one
-// core: ~70 % of the FMA peak in the two products, the widening ~12 % of the time (32-token query
-// tiles: ~10 % faster than 16, half the widening). gather + SDPA with a mask ran this at ~40-65
-// GFLOP/s here (48 tokens after 1,000 cached ones), the kernel ~145-157 on 2 threads.
+// once per 32 tokens, and P.V runs on register tiles (pv_rows). 32-token query tiles widen each
+// chunk half as often as 16-token ones; against gather + SDPA with a mask, and the share of the FMA
+// peak it reaches: benchmarks/attention_bench.py.
 //   q (T, Hq, D) float32; block_table (W,) int64 covering start + T positions -> out (T, Hq, D)
 constexpr int64_t kQueryTile = 32, kChunk = 2 * kLanes;
 #if defined(__AVX512F__)

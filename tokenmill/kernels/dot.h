@@ -51,7 +51,7 @@ void check_x(const at::Tensor& x, int64_t K) {
 // qsum (M, K/32) sums of the integers, xsum (M, K/group) sums of the rounded x per weight group (the
 // int4 minimum term): the product equals round(x) . w exactly, up to float32 summation.
 // 16 bits keep the product within float32's accuracy; 8 bits halve the integer products per weight
-// for +0.23 % perplexity on the default model (benchmarks/RESULTS.md).
+// for a small perplexity cost (benchmarks/ppl.sh; figures in benchmarks/RESULTS.md).
 struct QuantizedX {
   std::vector<int8_t> h, l;
   std::vector<int16_t> x16;
@@ -136,8 +136,8 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t group, bool 
 
 // Software prefetch distance for the weight stream. A thread walks its panels front to back, one
 // contiguous stream, but the hardware prefetcher stops at every 4 KiB page boundary; prefetching
-// 4 KiB ahead keeps the stream going across them. Batch-1 int4 products over DRAM-resident weights:
-// 50-56 us vs 62-87 us for the 3072 x 576 matrix (alternated runs, 2 threads).
+// 4 KiB ahead keeps the stream going across them (batch-1 products over DRAM-resident weights are
+// faster with it: benchmarks/kernel_bench.py).
 constexpr int64_t kPrefetch = 4096;
 
 inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0); }
@@ -146,7 +146,7 @@ inline void prefetch_ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<con
 // one dispatch function whose register allocation spills the accumulators to the stack, on AVX-512
 // and AVX2 alike (benchmarks/RESULTS.md has the before and after).
 // The tiles read x through raw pointers at their first row: through the vectors, the compiler
-// reloads their data pointers around every int8 load (int8_t may alias anything) -- ~1.4x slower.
+// reloads their data pointers around every int8 load (int8_t may alias anything), measurably slower.
 struct XRows {
   const int8_t *h, *l;
   const int16_t* x16;

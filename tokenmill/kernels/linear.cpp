@@ -28,10 +28,10 @@
 //   i.e. exactly round(x) . w, summed in float32 over each `segment` of inputs (whole blocks and
 //   groups; all K by default) and over the segments in float64, rounded once at the end (or not at
 //   all: `partial` returns the float64 sums of a tensor-parallel rank's input slice, see YOut).
-//   One 64-byte load holds 128 int4 (64 int8) weights: 2-4x fewer
-//   instructions per weight than the float layout. 16 bits: a relative error of ~1e-5 of each
-//   block's largest input, float32-level; 8 bits (llama.cpp's Q8 arithmetic): ~1.6x faster at
-//   batch, +0.23 % perplexity on the default model (and greedy answers it is unsure of can change).
+//   One 64-byte load holds 128 int4 (64 int8) weights: fewer instructions per weight than the
+//   float layout. 16 bits: float32-level accuracy; 8 bits (llama.cpp's Q8 arithmetic): half the
+//   integer products, faster at batch, for a small perplexity cost (and greedy answers it is unsure
+//   of can change; benchmarks/ppl.sh and kernel_bench.py measure both).
 #include <functional>
 #include <string>
 

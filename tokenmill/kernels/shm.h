@@ -1,8 +1,8 @@
 // All-reduce between the tensor-parallel ranks of one host through shared memory.
 //
-// Gloo over loopback TCP took ~2 ms per all-reduce of a few kilobytes on the project's VM (a raw
-// loopback round trip: ~25 us), and a decoder layer needs two: at 30 layers that alone is 120 ms a
-// token. Ranks on one host instead meet in a shared mapping: each copies its partial sums into its
+// Gloo over loopback TCP takes milliseconds per all-reduce of a few kilobytes, many loopback round
+// trips, and a decoder layer needs two: at 30 layers that alone dwarfs a token's arithmetic
+// (benchmarks/tp_bench.py). Ranks on one host instead meet in a shared mapping: each copies its partial sums into its
 // slot and publishes a step counter; once every rank's counter has reached the step, each rank sums
 // all slots in rank order into its tensor, so every rank ends with the same bits. Two slots per
 // rank alternate between steps: a rank reaching step n+2 has seen every counter at n+1, so every

@@ -1,8 +1,8 @@
 // One decode step through every decoder layer in a single call from Python.
 //
-// At batch 1 a layer's arithmetic takes ~0.2 ms on this class of CPU, and its ~40 PyTorch calls
-// from Python (norms, projections, splits, views, rotary, cache writes, attention, residuals) cost
-// as much again: half of a token's time was interpreter and dispatch. The stack is handed each
+// At batch 1 a small layer's ~40 PyTorch calls from Python (norms, projections, splits, views,
+// rotary, cache writes, attention, residuals) cost as much as its arithmetic: half of a token's
+// time was interpreter and dispatch (benchmarks/profile_decode.py). The stack is handed each
 // layer's weights and KV cache views once, then chains the same kernels the Python layers call,
 // in the same order on the same values, so a decode step gives identical numbers either way
 // (tests/test_decode_stack.py). Steps that carry prompt tokens keep the Python layers, where

@@ -22,7 +22,7 @@ from tokenmill.quant.gguf_tensor import BlockTensor
 QUANT_POLICIES = ("auto", "none", "int8", "int4", "awq", "gptq")
 PREQUANTIZED = ("awq", "gptq")  # policies that name a checkpoint's format: they load its weights as stored
 # PyTorch's int4/int8 CPU kernels cost time linear in the rows of x (no reuse of the unpacked weight
-# across rows): 28 us at 1 row, 900 us at 64 for a 1536x576 matrix, where a float GEMM takes 520 us.
+# across rows), so past some tens of rows a float GEMM is faster (benchmarks/kernel_bench.py).
 # Past this many rows a layer that kept its float weight uses that instead.
 FLOAT_MIN_ROWS = 32
 

@@ -1,7 +1,7 @@
 """Decode steps through all decoder layers in one native call (tokenmill/kernels/stack.cpp).
 
 At batch 1 the Python layer loop cost as much as the arithmetic: ~40 PyTorch calls per layer,
-8 ms of a 14.7 ms token on the default model, against 6.4 ms inside the kernels. `build` hands
+half of a small model's token (benchmarks/profile_decode.py). `build` hands
 the kernels' `DecodeStack` every layer's weights and KV cache views once; `CausalLM.forward` then
 runs each step whose tokens are all single-token decodes through it. It chains the kernels the
 Python layers call, in the same order, so both paths give identical outputs; steps with prompt

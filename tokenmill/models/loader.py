@@ -131,7 +131,7 @@ def _refuse_prequant(quantization: str, found: str | None, path: str) -> None:
 
 def resolve_dtype(dtype: str, source: torch.dtype, device: torch.device) -> torch.dtype:
     """'auto': the checkpoint's dtype on CUDA; float32 on CPU, where bf16/fp16 GEMMs are slow
-    without AVX512-BF16/AMX (measured ~100x slower here)."""
+    without AVX512-BF16/AMX (orders of magnitude slower than float32)."""
     table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16, "half": torch.float16}
     if dtype == "auto":

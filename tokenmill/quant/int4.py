@@ -5,7 +5,7 @@ Two layouts. Where tokenmill's CPU kernels are built (`tokenmill.kernels`), 16-r
 float16 scales and mins (as GGUF, AWQ and GPTQ store them; float32 where a group is not a multiple
 of 32), 16- or 8-bit-integer activations, one unpacked weight reused by every row of a batch. Otherwise PyTorch's CPU int4 layout for `torch._weight_int4pack_mm_for_cpu`, which
 dequantizes as (q - 8) * scale + zero (so zero = min + 8 * scale, kept in bfloat16) and runs fast
-only with bfloat16 activations (~920 us vs 28 us in float32 for a 1536x576 matrix here), so
+only with bfloat16 activations (float32 ones take it off its fast path), so
 inputs are cast to bfloat16 for that product and back. That kernel dequantizes its weights again
 for every row of x; from DEQUANT_MIN_ROWS rows on (prompt chunks, large batches) it is faster to
 dequantize the weight once from a plain nibble copy and run the float GEMM on the same bfloat16-

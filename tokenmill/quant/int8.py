@@ -1,6 +1,6 @@
 """Per-output-channel symmetric int8 weights (w = scale * q, q in -127..127). Multiplied by
 tokenmill's CPU kernel where it is built (16-row panels, see `tokenmill.kernels`),
-else by `torch._weight_int8pack_mm` in bfloat16 (its fast path; float32 is ~18x slower here)."""
+else by `torch._weight_int8pack_mm` in bfloat16 (its fast path; float32 is much slower)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

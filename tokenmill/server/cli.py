@@ -1,0 +1,127 @@
+"""`tokenmill serve`: the OpenAI-compatible HTTP server over one engine in this process (the
+data-parallel form, replicas behind a router, is router/cli.py's)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tokenmill.flags import add_engine_args, api_keys, engine_kwargs, seconds
+
+
+def add_parser(sub, command) -> None:
+    """`command`: the function `serve` runs (the top-level cli's: one process, or data parallel)."""
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", action="append", default=None,
+                   help="name(s) clients use for the model (default: the model file name)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
+    s.add_argument("--metrics-public", action="store_true",
+                   help="serve /metrics without the API key (default: behind it when keys are set)")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how the model writes tool calls (default: the format its chat template renders)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="return a thinking model's <think>...</think> as reasoning_content (default: off)")
+    s.add_argument("--cache-salt-from-api-key", action="store_true",
+                   help="give each API key its own prefix cache (no tenant can probe another's prompts through "
+                        "cache hits); needs --api-key")
+    s.add_argument("--allowed-origins", action="append", default=None,
+                   help="browser origins allowed by CORS, e.g. https://app.example.com (repeatable; default: none)")
+    s.add_argument("--max-queue-len", type=int, default=1024,
+                   help="waiting requests beyond which new ones get 503 (default: 1024)")
+    s.add_argument("--request-timeout", type=seconds, default=None,
+                   help="seconds a request may take from arrival to its last token; past it the request stops "
+                        "and gets 504 (an error event if streaming). Default: no limit")
+    s.add_argument("--max-queue-time", type=seconds, default=None,
+                   help="seconds a request may wait before it is first scheduled; past it 503. Default: no limit")
+    s.add_argument("--timeout-keep-alive", type=seconds, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default: 5)")
+    from tokenmill.server.transport import add_arguments as front_door_args
+    front_door_args(s, seconds)
+    s.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas on this host behind one router and port, each on its share of the cores "
+                        "(--threads then counts per replica) and of the KV cache budget (default: 1)")
+    s.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "least_load", "round_robin"],
+                   help="how --data-parallel-size spreads requests (see `tokenmill router --help`)")
+    s.add_argument("--cpu-cores", default=None,
+                   help="pin the server to these CPU cores, e.g. 0-3,8 (Linux; default: all it may use)")
+    add_engine_args(s)
+    s.set_defaults(func=command, parser=s)
+
+
+def check_args(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The serve flags checked before anything loads: (uvicorn's front-door settings, API keys)."""
+    from tokenmill.server.transport import front_door
+
+    for flag in ("max_queue_len", "max_connections", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}.")
+    for origin in args.allowed_origins or []:
+        if origin != "*" and not origin.startswith(("http://", "https://")) or origin.endswith("/"):
+            raise ValueError(f"--allowed-origins takes origins like https://app.example.com (or *), got {origin!r}.")
+    door = front_door(args)  # its flags checked before the model loads
+    keys = api_keys(args)
+    if args.cache_salt_from_api_key and not keys:
+        raise ValueError("--cache-salt-from-api-key needs API keys (--api-key or TOKENMILL_API_KEY).")
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}.")
+    return door, keys
+
+
+def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
+    """OpenAI-compatible HTTP server: engine on its own thread, uvicorn on the main one."""
+    import uvicorn
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.api import ServerConfig, build_app
+    from tokenmill.server.metrics import Metrics
+
+    if args.cpu_cores:
+        from tokenmill.cpus import parse_cores
+        try:
+            os.sched_setaffinity(0, parse_cores(args.cpu_cores))
+        except OSError as e:
+            raise ValueError(f"--cpu-cores {args.cpu_cores}: {e.strerror} (cores this process may use: "
+                             f"{sorted(os.sched_getaffinity(0))})") from None
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    # built on its own thread, the one that steps it (AsyncEngine says why)
+    client = AsyncEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len,
+                         request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
+    engine = client.engine
+    names = args.served_model_name or [os.path.basename(engine.model_path)]
+    metrics = Metrics(names[0])
+    client.stat_logger = metrics.record
+    app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys,
+                                         max_request_bytes=args.max_request_bytes,
+                                         client_timeout=args.client_timeout, metrics_public=args.metrics_public,
+                                         allowed_origins=args.allowed_origins or [],
+                                         cache_salt_from_api_key=args.cache_salt_from_api_key,
+                                         tool_call_parser=args.tool_call_parser,
+                                         reasoning_parser=args.reasoning_parser), metrics)
+    from tokenmill import kernels
+
+    cpu = ""
+    if engine.device.type == "cpu":
+        cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations)" if kernels.isa() else \
+            ", CPU kernels PyTorch"
+    print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
+          f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
+          f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **door,
+                                           timeout_keep_alive=args.timeout_keep_alive))
+    # the engine died: uvicorn drains and the process exits 1 (also if it died before this line)
+    client.on_dead = lambda _: setattr(server, "should_exit", True)
+    server.should_exit = client.dead is not None
+    try:
+        server.run()
+    finally:
+        client.shutdown()
+    if client.dead is not None:
+        print("tokenmill: the engine stopped after an internal error (see the log above); exiting with status 1",
+              file=sys.stderr, flush=True)
+        return 1
+    return 0
