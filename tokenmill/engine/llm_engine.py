@@ -4,6 +4,21 @@ into one batched forward pass plus the outputs it produced.
 
 A request with n > 1 becomes n child sequences (`<id>#<i>`) that run independently; their
 outputs are gathered back under the parent id.
+
+Request state, by owner (only the owner writes; the others read what they are handed):
+- AsyncEngine (server side): the caller's stream and deadlines, by request id.
+- OutputProcessor (engine/output.py): the prompt as given, the n sibling sequences, their
+  detokenizers and the CompletionOutputs built so far.
+- Scheduler (core/): the sequences' `Request`s, the one authoritative copy of their token ids,
+  computed counts, block tables, status and finish reason (a stop string ends one through
+  `Scheduler.stop_at`), and the draft policy's per-request estimate; the BlockManager the blocks.
+- ModelRunner (runner/): per sequence, what sampling needs between steps (`ReqState`: params, the
+  tokens so far, the block table as deltas left it, a grammar matcher), learnt from the
+  SchedulerOutput and dropped at `finished_req_ids`. Its token ids are a second copy, kept by
+  appending what it samples: tensor-parallel ranks and the draft model's own runner need it
+  outside the scheduler's process or view.
+- Proposers (spec/): the n-gram indexes, and the draft model's own scheduler-side requests.
+The RequestOutputs handed out carry copies: callers may keep them.
 """
 from __future__ import annotations
 
