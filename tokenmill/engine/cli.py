@@ -38,7 +38,7 @@ def _params(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from tokenmill import LLM
+    from tokenmill.engine.llm import LLM
 
     params = _params(args)
     llm = LLM(**engine_kwargs(args))
@@ -55,7 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat: reads a line, streams the answer token by token, keeps the history."""
-    from tokenmill import LLM
+    from tokenmill.engine.llm import LLM
 
     params = _params(args)
     llm = LLM(**engine_kwargs(args))
