@@ -116,7 +116,7 @@ def test_replica_argv_keeps_every_serve_flag_but_the_parents():
     assert "--port" not in child and "--api-key" not in child and "--threads" not in child
     assert "--data-parallel-size" not in child and "secret" not in child
     again = parser.parse_args(["serve", *child])
-    for name in ("served_model_name", "max_num_seqs", "enable_prefix_caching", "metrics_public", "tool_call_parser",
+    for name in ("served_model_names", "max_num_seqs", "enable_prefix_caching", "metrics_public", "tool_call_parser",
                  "request_timeout"):
         assert getattr(again, name) == getattr(args, name), name
     assert again.port == 8000 and again.data_parallel_size == 1

@@ -18,24 +18,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_config_args(p: argparse.ArgumentParser, *configs) -> None:
-    """One flag per field of each frozen config dataclass: `--kebab-case`, its help from the field's
-    metadata, booleans as --x / --no-x; a field's metadata may give `type`, `choices` or
-    `action="append"` (a list), else its annotation decides."""
+    """One flag per field of each frozen config dataclass: `--kebab-case` of the field's name (or the
+    metadata's `flag`; None: no flag, another part of the command line sets it), its help from the
+    metadata, booleans as --x / --no-x; the metadata may give `type`, `choices` or `action="append"`
+    (repeatable), else the annotation decides. Each flag's value lands under the field's name."""
     for cls in configs:
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            name = f.metadata.get("flag", f.name.replace("_", "-"))
+            if name is None:
+                continue
+            flag, help_text = "--" + name, f.metadata.get("help", "")
             default = None if f.default is MISSING else f.default
             if f.type in ("bool", bool):
-                p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                help=f"{help_text} (default: {'on' if f.default else 'off'})")
                 continue
             if f.metadata.get("action") == "append":
-                p.add_argument(flag, action="append", default=None, help=help_text)
+                p.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
                 continue
             kind = f.metadata.get("type") or scalar_type(f.type)
             suffix = "" if "default" in help_text else f" (default: {default})"
-            p.add_argument(flag, type=kind, default=default, choices=f.metadata.get("choices"), help=help_text + suffix)
+            p.add_argument(flag, dest=f.name, type=kind, default=default, choices=f.metadata.get("choices"),
+                           help=help_text + suffix)
 
 
 def scalar_type(annotation) -> type:
@@ -69,7 +73,7 @@ def seconds(text: str) -> float:
 def api_keys(args: argparse.Namespace) -> list[str]:
     """--api-key flags and TOKENMILL_API_KEY (comma-separated)."""
     env = os.environ.get("TOKENMILL_API_KEY", "")
-    keys = list(args.api_key or []) + (env.split(",") if env else [])
+    keys = list(args.api_keys or []) + (env.split(",") if env else [])
     if any(not k.strip() for k in keys):  # an empty key would look like auth while letting "Bearer " in
         raise ValueError("--api-key must not be empty, nor any comma-separated entry of TOKENMILL_API_KEY.")
     return [k.strip() for k in keys]

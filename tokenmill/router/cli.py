@@ -19,7 +19,7 @@ def add_router_args(p: argparse.ArgumentParser, seconds) -> None:
                         "least-loaded one by --balance-threshold; least_load; round_robin (default: cache_aware)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", action="append", default=None,
+    p.add_argument("--api-key", dest="api_keys", action="append", default=None,
                    help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
     p.add_argument("--replica-api-key", default=os.environ.get("TOKENMILL_REPLICA_API_KEY"),
                    help="key the router sends to the replicas (also TOKENMILL_REPLICA_API_KEY; default: the "
@@ -70,7 +70,7 @@ def _run(app, args: argparse.Namespace) -> None:
 
 # serve flags the parent keeps (the replicas get their own values) or hands over another way
 _PARENT_ONLY = {"host", "port", "data_parallel_size", "router_policy", "threads", "cpu_cores", "kv_cache_memory",
-                "api_key", "log_level", "func", "parser"}
+                "api_keys", "log_level", "func", "parser"}
 
 
 def serve_data_parallel(args: argparse.Namespace, keys: list[str]) -> int:

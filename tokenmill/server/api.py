@@ -12,13 +12,13 @@ import concurrent.futures
 import json
 import time
 import uuid
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tokenmill.server import protocol as P
 from tokenmill.server import reasoning as R
+from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, install_handlers
 from tokenmill.server.guard import Guard, cache_salt, error_response
 from tokenmill.server.metrics import Metrics
@@ -26,23 +26,6 @@ from tokenmill.server.params import chat_ids, completion_prompts, conversation, 
 from tokenmill.server.responses import Usage, chat_logprobs, completion_logprobs, timings
 from tokenmill.server.streaming import chat_stream, collect_all, completion_stream, sse, start_all, until_disconnected
 from tokenmill.server.tool_plan import ToolPlan
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    served_model_names: tuple[str, ...]
-    api_keys: tuple[str, ...]
-    max_request_bytes: int = 8 << 20
-    client_timeout: float = 30.0  # seconds a client has to send a request's body (its head: transport.py)
-    metrics_public: bool = False  # /metrics without the API key (for a scraper inside a trusted network)
-    allowed_origins: tuple[str, ...] = ()  # CORS: none unless configured
-    cache_salt_from_api_key: bool = False  # each API key its own prefix-cache namespace
-    tool_call_parser: str | None = None     # None: picked from the chat template (server/tools.py)
-    reasoning_parser: str | None = None     # server/reasoning.py; None: thinking stays in content
-
-    def __post_init__(self) -> None:  # lists from the command line kept as tuples: the config cannot change
-        for name in ("served_model_names", "api_keys", "allowed_origins"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
 
 
 def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:

@@ -6,38 +6,14 @@ import argparse
 import os
 import sys
 
-from tokenmill.flags import add_engine_args, api_keys, engine_kwargs, seconds
+from tokenmill.flags import add_config_args, add_engine_args, api_keys, engine_kwargs, seconds
+from tokenmill.server.config import ServerConfig
 
 
 def add_parser(sub, command) -> None:
     """`command`: the function `serve` runs (the top-level cli's: one process, or data parallel)."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", action="append", default=None,
-                   help="name(s) clients use for the model (default: the model file name)")
-    s.add_argument("--api-key", action="append", default=None,
-                   help="require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)")
-    s.add_argument("--metrics-public", action="store_true",
-                   help="serve /metrics without the API key (default: behind it when keys are set)")
-    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
-                   help="how the model writes tool calls (default: the format its chat template renders)")
-    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
-                   help="return a thinking model's <think>...</think> as reasoning_content (default: off)")
-    s.add_argument("--cache-salt-from-api-key", action="store_true",
-                   help="give each API key its own prefix cache (no tenant can probe another's prompts through "
-                        "cache hits); needs --api-key")
-    s.add_argument("--allowed-origins", action="append", default=None,
-                   help="browser origins allowed by CORS, e.g. https://app.example.com (repeatable; default: none)")
-    s.add_argument("--max-queue-len", type=int, default=1024,
-                   help="waiting requests beyond which new ones get 503 (default: 1024)")
-    s.add_argument("--request-timeout", type=seconds, default=None,
-                   help="seconds a request may take from arrival to its last token; past it the request stops "
-                        "and gets 504 (an error event if streaming). Default: no limit")
-    s.add_argument("--max-queue-time", type=seconds, default=None,
-                   help="seconds a request may wait before it is first scheduled; past it 503. Default: no limit")
-    s.add_argument("--timeout-keep-alive", type=seconds, default=5.0,
-                   help="seconds an idle keep-alive connection stays open (default: 5)")
+    add_config_args(s, ServerConfig)
     from tokenmill.server.transport import add_arguments as front_door_args
     front_door_args(s, seconds)
     s.add_argument("--data-parallel-size", type=int, default=1,
@@ -77,7 +53,7 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.server.api import ServerConfig, build_app
+    from tokenmill.server.api import build_app
     from tokenmill.server.metrics import Metrics
 
     if args.cpu_cores:
@@ -92,16 +68,10 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
     client = AsyncEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len,
                          request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
     engine = client.engine
-    names = args.served_model_name or [os.path.basename(engine.model_path)]
+    names = args.served_model_names or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
     client.stat_logger = metrics.record
-    app = build_app(client, ServerConfig(served_model_names=names, api_keys=keys,
-                                         max_request_bytes=args.max_request_bytes,
-                                         client_timeout=args.client_timeout, metrics_public=args.metrics_public,
-                                         allowed_origins=args.allowed_origins or [],
-                                         cache_salt_from_api_key=args.cache_salt_from_api_key,
-                                         tool_call_parser=args.tool_call_parser,
-                                         reasoning_parser=args.reasoning_parser), metrics)
+    app = build_app(client, ServerConfig.from_args(args, served_model_names=names, api_keys=keys), metrics)
     from tokenmill import kernels
 
     cpu = ""
