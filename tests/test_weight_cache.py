@@ -115,3 +115,11 @@ def test_weight_cache_flag_is_validated():
 
     with pytest.raises(ValueError, match="weight_cache"):
         ModelConfig(weight_cache="")
+
+
+def test_a_path_without_a_model_is_a_clear_error_with_the_cache_on(tmp_path):
+    """The cache's key is the model's files: a folder without them is refused with the loader's own
+    message before any key is made."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ValueError, match="has no config.json"):
+        loader.load(str(tmp_path), "auto", torch.device("cpu"), weight_cache=str(tmp_path / "cache"))

@@ -51,7 +51,8 @@ class ModelConfig:
         "GEMM beats the int4/int8 kernels (benchmarks/kernel_bench.py); with AVX512-VNNI it does not"))
     weight_cache: str = field(default="auto", metadata=_help(
         "auto | off | a directory: keep the packed CPU weights in one file there and map it on later starts "
-        "instead of reading and packing the model again. auto: $XDG_CACHE_HOME/tokenmill/weights (~/.cache), "
+        "instead of reading and packing the model again. auto: weights/ in tokenmill's cache folder (TOKENMILL_CACHE_DIR, "
+        "else $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill), "
         "for models of 256 MiB or more"))
 
     def __post_init__(self) -> None:

@@ -102,10 +102,14 @@ def requested() -> str | None:
     return want
 
 
+def cache_root() -> pathlib.Path:
+    """tokenmill's cache folder: TOKENMILL_CACHE_DIR, else $XDG_CACHE_HOME/tokenmill (~/.cache)."""
+    return pathlib.Path(os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill"))
+
+
 def cache_dir() -> pathlib.Path:
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tokenmill")
-    return pathlib.Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cflags(isa: str) -> list[str]:

@@ -66,8 +66,7 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
         raise ValueError(f"quantization must be one of {list(QUANT_POLICIES)}, got {quantization!r}.")
     if activation_bits != "auto" and activation_bits not in kernels.ACT_BITS:
         raise ValueError(f"activation_bits must be auto, 8 or 16, got {activation_bits!r}.")
-    if not os.path.exists(path):  # before anything slow (the kernels' first build)
-        raise ValueError(f"model path {path!r} does not exist.")
+    kind, files = _resolve(path)  # before anything slow (the kernels' first build)
     policy = quantization if device.type == "cpu" else "none"
     if activation_bits == "auto":
         activation_bits = kernels.auto_activation_bits() if device.type == "cpu" and kernels.available() else 16
@@ -76,10 +75,10 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
         cache_dir = weight_cache_mod.default_dir() if weight_cache == "auto" else weight_cache
         settings = {"plan": [policy, group_size, keep_float, activation_bits], "isa": kernels.isa(),
                     "dtype": str(resolve_dtype(dtype, torch.float32, device)), "lanes": kernels.LANES}
-        cache = weight_cache_mod.Entry(cache_dir, _source_files(path), settings)
+        cache = weight_cache_mod.Entry(cache_dir, files, settings)
     plan = _Plan(policy, group_size, keep_float, activation_bits, reserve_bytes, cache)
     with resources.returning_freed_memory():
-        loaded = _load(path, dtype, device, load_tokenizer, quantization, tp_group, plan)
+        loaded = _load(path, kind, files, dtype, device, load_tokenizer, quantization, tp_group, plan)
         if not loaded.from_cache:
             loaded.model.quantize(policy, group_size, keep_float, activation_bits)
             if cache is not None:
@@ -88,32 +87,29 @@ def load(path: str, dtype: str, device: torch.device, load_tokenizer: bool = Tru
     return loaded
 
 
-def _source_files(path: str) -> list[str]:
-    """The files a model is read from: the GGUF, or a directory's config and safetensors."""
-    if os.path.isfile(path):
-        return [path]
-    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-    if not os.path.exists(os.path.join(path, "config.json")) and len(ggufs) == 1:
-        return ggufs
-    return [os.path.join(path, "config.json"), *sorted(glob.glob(os.path.join(path, "*.safetensors")))]
-
-
-def _load(path: str, dtype: str, device: torch.device, load_tokenizer: bool, quantization: str,
-          tp_group, plan: _Plan) -> LoadedModel:
+def _resolve(path: str) -> tuple[str, list[str]]:
+    """("gguf", [the file]) or ("hf", [config.json, *safetensors]): what a model path is and the
+    files it is read from (the weight cache's key), or a ValueError saying what the path lacks."""
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist.")
     if os.path.isfile(path):
         if not is_gguf(path):
             raise ValueError(f"{path} is neither a GGUF file nor a Hugging Face model directory.")
-        _refuse_prequant(quantization, None, path)
-        return _load_gguf(path, dtype, device, load_tokenizer, tp_group, plan)
+        return "gguf", [path]
     if not os.path.exists(os.path.join(path, "config.json")):
         ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
         if len(ggufs) == 1:
-            _refuse_prequant(quantization, None, path)
-            return _load_gguf(ggufs[0], dtype, device, load_tokenizer, tp_group, plan)
+            return "gguf", ggufs
         raise ValueError(f"{path} has no config.json (and not exactly one .gguf file); "
                          "point --model at a Hugging Face model directory or a .gguf file.")
+    return "hf", [os.path.join(path, "config.json"), *sorted(glob.glob(os.path.join(path, "*.safetensors")))]
+
+
+def _load(path: str, kind: str, files: list[str], dtype: str, device: torch.device, load_tokenizer: bool,
+          quantization: str, tp_group, plan: _Plan) -> LoadedModel:
+    if kind == "gguf":
+        _refuse_prequant(quantization, None, path)
+        return _load_gguf(files[0], dtype, device, load_tokenizer, tp_group, plan)
     return _load_hf(path, dtype, device, load_tokenizer, quantization, tp_group, plan)
 
 

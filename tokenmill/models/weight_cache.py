@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tokenmill.kernels.build import cache_root
+
 log = logging.getLogger(__name__)
 
 MAGIC, VERSION = b"TMWCACHE", 1
@@ -57,8 +59,7 @@ class NotCacheable(Exception):
 
 
 def default_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
-                        "tokenmill", "weights")
+    return cache_root() / "weights"  # beside the compiled kernels
 
 
 @functools.lru_cache(maxsize=1)
