@@ -108,7 +108,7 @@ def test_kernel_equals_the_dequantized_matmul(kind, n, k, m, bits):
     w.panels.act_bits = bits
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
     ref = (x.double() @ reference(kind, raw, k).double().t())
-    y = kquant.matmul(x, w)
+    y = w.matmul(x)
     assert y.shape == (m, n) and y.dtype == torch.float32
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-4 if bits == 16 else 3e-2), err  # 16 bits: float32-level; 8 bits: llama.cpp's Q8 activations
@@ -127,8 +127,8 @@ def test_row_parallel_slices_add_up_to_the_whole_bit_for_bit(kind):
     halves = [kquant.from_blocks(kind, 32, 512, lambda a, b, h=h: raw[a:b, h * per // 2:(h + 1) * per // 2]) for h in (0, 1)]
     for h in halves:
         h.panels.segment = 256
-    full = kquant.matmul(x, whole, partial=True)
-    parts = kquant.matmul(x[:, :512], halves[0], partial=True) + kquant.matmul(x[:, 512:], halves[1], partial=True)
+    full = whole.matmul(x, partial=True)
+    parts = halves[0].matmul(x[:, :512], partial=True) + halves[1].matmul(x[:, 512:], partial=True)
     assert full.dtype == torch.float64 and torch.equal(full, parts)
 
 
@@ -173,7 +173,7 @@ def _tiny_kquant_gguf(path, mix: str = "Q4_K_M") -> None:
 @pytest.mark.parametrize("mix", list(MIXES))
 @pytest.mark.parametrize("bits", [16, 8])
 def test_mixed_kquant_model_equals_the_float_model(tmp_path, bits, mix):
-    from tokenmill.layers.linear import RowStack, leaf_weights
+    from tokenmill.quant.base import RowStack
     from tokenmill.models import loader
 
     path = tmp_path / "kq.gguf"
@@ -182,7 +182,7 @@ def test_mixed_kquant_model_equals_the_float_model(tmp_path, bits, mix):
     kq = loader.load(str(path), "float32", torch.device("cpu"), load_tokenizer=False, activation_bits=bits)
     embed, kinds = MIXES[mix]
     for layer, want in zip(kq.model.model.layers, kinds):  # every tensor at its own type, none rounded to int8
-        got = [[p.kind for p in leaf_weights(proj.qweight)] for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+        got = [[p.kind for p in proj.qweight.leaves()] for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                           layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         runs = lambda *ks: [k for i, k in enumerate(ks) if i == 0 or k != ks[i - 1]]  # noqa: E731 - fused runs of a kind
         assert got == [runs(want["attn_q"], want["attn_k"], want["attn_v"]), [want["attn_output"]],

@@ -43,7 +43,7 @@ def test_int4_kernel_matches_dequantized_matmul(m, backend):
     q, scale, minimum = int4.quantize_rtn(w, 32)
     packed = int4.pack(q, scale, minimum, 32)
     x = torch.randn(m, 256)
-    got = int4.matmul(x, packed)
+    got = packed.matmul(x)
     assert got.dtype == torch.float32 and got.shape == (m, 96)
     if backend == "tokenmill":  # exact weights (the dot layout's scales and mins in float16), 16-bit activations
         assert packed.panels is not None
@@ -70,7 +70,7 @@ def test_int8_kernel_matches_dequantized_matmul(m, backend):
     qw = int8.quantize_rtn(w)
     x = torch.randn(m, 128)
     ref = bf16_reference(x, int8.dequantize(qw))
-    assert (int8.matmul(x, qw) - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (qw.matmul(x) - ref).abs().max() <= 0.02 * ref.abs().max()
     assert (int8.dequantize(qw) - w).abs().max() <= w.abs().max() / 127
 
 

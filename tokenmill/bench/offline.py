@@ -5,8 +5,6 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
-
 from tokenmill.bench.workload import Item
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.models.weight_cache import wait_for_writes

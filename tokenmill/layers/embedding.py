@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.linear import PREQUANTIZED, as_float, deferrable_empty, materialize
+from tokenmill.layers.linear import deferrable_empty, materialize
 from tokenmill.quant import int8, kquant
+from tokenmill.quant.assembly import FILE_FORMATS, as_float
 from tokenmill.quant.gguf_tensor import BlockTensor
 
 LOGIT_ROWS = 8192  # vocabulary rows dequantized at a time when the whole table multiplies (float head)
@@ -73,7 +74,7 @@ class Embedding(nn.Module):
         if self.weight is not None:
             return int8.quantize_rtn(self.weight.data)
         try:
-            if policy in ("auto", *PREQUANTIZED) and kquant.supported(self.blocks.kind, *self.blocks.shape):
+            if policy in FILE_FORMATS and kquant.supported(self.blocks.kind, *self.blocks.shape):
                 return kquant.from_blocks(self.blocks.kind, *self.blocks.shape, self._raw_rows)
             return int8.make(*self.blocks.int8_parts())
         finally:

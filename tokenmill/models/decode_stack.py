@@ -15,7 +15,8 @@ import os
 import torch
 
 from tokenmill import kernels
-from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear, RowStack, leaf_weights
+from tokenmill.kernels import StackKind
+from tokenmill.layers.linear import FLOAT_MIN_ROWS, Linear
 from tokenmill.models.llama import CausalLM
 from tokenmill.models.moe import SparseMoE
 
@@ -70,35 +71,26 @@ def _projections(layer) -> list[Linear]:
 
 def _add(stack, proj: Linear) -> None:
     """stack.cpp's add_projection(kind, q, s, m, bias, perm, float_weight, n, bits, float_min_rows,
-    segment, e), then add_part(kind, q, s, m, e, n, bits, segment) for each part of a RowStack."""
+    segment, e), then add_part(kind, q, s, m, e, n, bits, segment) for each part of a RowStack: each
+    weight format hands over its panels' kind and tensors (`QuantWeight.stack_args`)."""
     bias = None if proj.bias is None else proj.bias.data
     q = proj.qweight
     if q is None:
-        return stack.add_projection(0, proj.weight.data, None, None, bias, None, None, proj.out_features, 16, 0, 0, None)
-    if isinstance(q, RowStack):
-        stack.add_projection(7, torch.empty(0), None, None, bias, None, proj.float_weight, q.out_features, 16,
-                             FLOAT_MIN_ROWS, 0, None)
-        for part in q.parts:
-            kind, tensors, p = _weight_args(part)
+        return stack.add_projection(StackKind.FLOAT, proj.weight.data, None, None, bias, None, None, proj.out_features,
+                                    16, 0, 0, None)
+    leaves = q.leaves()
+    if leaves[0] is not q:  # parts of different kinds, stacked by output rows
+        stack.add_projection(StackKind.STACK, torch.empty(0), None, None, bias, None, proj.float_weight, q.out_features,
+                             16, FLOAT_MIN_ROWS, 0, None)
+        for part in leaves:
+            kind, tensors = part.stack_args()
+            p = part.panels
             stack.add_part(kind, *tensors, p.out_features, p.act_bits, p.segment)
         return None
-    kind, (t0, s, m, e), p = _weight_args(q)
+    kind, (t0, s, m, e) = q.stack_args()
+    p = q.panels
     return stack.add_projection(kind, t0, s, m, bias, proj.input_perm, proj.float_weight, p.out_features, p.act_bits,
                                 FLOAT_MIN_ROWS, p.segment, e)
-
-
-def _weight_args(q) -> tuple:
-    """(stack.cpp kind, its four tensors, the panels) of a quantized weight."""
-    p = q.panels
-    if isinstance(p, kernels.Int4Panels):  # int4, or GGUF Q5_0/Q5_1 with their fifth bits
-        return (3 if p.dot else 1), (p.q, p.s, p.m, p.qh), p
-    if isinstance(p, kernels.Int8Panels):  # per-channel int8, or GGUF Q8_0 and the lookup types
-        return (4 if p.dot else 2), (p.q, p.s, None, None), p
-    if isinstance(p, kernels.Q4KPanels):  # Q4_K, Q5_K
-        return 5, (p.q, p.sm, p.dd, p.qh), p
-    if isinstance(p, kernels.LutPanels):  # IQ4_NL, IQ4_XS, MXFP4
-        return 8, (p.q, p.s, p.d, None), p
-    return 6, (p.ql, p.qh, p.sc, p.d), p  # Q6_K, Q3_K
 
 
 def _unsupported(model: CausalLM) -> str | None:
@@ -126,6 +118,6 @@ def _unsupported(model: CausalLM) -> str | None:
             q = proj.qweight
             if q is None and proj.weight.dtype != torch.float32:
                 return f"a {proj.weight.dtype} projection"
-            if q is not None and any(w.panels is None for w in leaf_weights(q)):
+            if q is not None and any(w.stack_args() is None for w in q.leaves()):
                 return "a projection outside the kernels' panel layouts"
     return None

@@ -18,12 +18,12 @@ from tokenmill import kernels
 from tokenmill.layers.tensor_parallel import row_parallel_bounds
 from tokenmill.layers.attention import Attention, get_forward_context
 from tokenmill.layers.embedding import Embedding
-from tokenmill.layers.linear import PREQUANTIZED, FusedLinear, Linear, QuantArgs, leaf_weights, quant_matmul
+from tokenmill.layers.linear import FusedLinear, Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.moe import SparseMoE
-from tokenmill.quant import int8
+from tokenmill.quant.assembly import FILE_FORMATS, QuantArgs
 
 # The int8 copy of a tied embedding serves up to a decode step's worth of rows (one per running
 # request: 64 by default); past that (perplexity over whole windows) the float table does.
@@ -205,7 +205,7 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             logits = self.lm_head(hidden).float()
         elif self.tied_head_q is not None and hidden.shape[0] <= HEAD_INT8_MAX_ROWS:
-            logits = quant_matmul(hidden, self.tied_head_q).float()
+            logits = self.tied_head_q.matmul(hidden).float()
         else:
             logits = self.model.embed_tokens.logits(hidden).float()
         if self.plan is not None:
@@ -221,11 +221,10 @@ class CausalLM(nn.Module):
         for _, module, args in self._linears(policy, group_size, keep_float, activation_bits):
             module.quantize(**vars(args))
         embed_q = "model.embed_tokens.weight" in self.quantized_sources
-        if self.lm_head is None and (policy in ("int8", "int4") or (policy in ("auto", *PREQUANTIZED) and embed_q)):
+        if self.lm_head is None and (policy in ("int8", "int4") or (policy in FILE_FORMATS and embed_q)):
             self.tied_head_q = self.model.embed_tokens.head_weight(policy)
-            for w in leaf_weights(self.tied_head_q):
-                if w.panels is not None:
-                    w.panels.act_bits = 16
+            for w in self.tied_head_q.leaves():
+                w.configure(16, 0)
 
     def stream_quantized(self, policy: str, group_size: int, keep_float: bool = False, activation_bits: int = 16) -> None:
         """Before loading: each linear layer is packed as soon as its weights are in, and a
@@ -248,7 +247,7 @@ class CausalLM(nn.Module):
     def quantized_weights(self) -> list:
         """Every int4/int8 weight, in the order a forward pass reads them (the tied head last)."""
         weights = [w for m in self.modules() if isinstance(m, Linear) and m.qweight is not None
-                   for w in leaf_weights(m.qweight)]
+                   for w in m.qweight.leaves()]
         return weights + ([self.tied_head_q] if self.tied_head_q is not None else [])
 
     def decode_weight_bytes(self) -> int:
@@ -260,25 +259,16 @@ class CausalLM(nn.Module):
             share = self.cfg.experts_per_tok / self.cfg.num_experts if ".experts." in name else 1.0
             q = getattr(module, "qweight", None)
             if q is not None:
-                total += share * _kernel_bytes(q)
+                total += share * q.kernel_bytes()
             elif getattr(module, "weight", None) is not None and module is not self.model.embed_tokens:
                 total += share * module.weight.numel() * module.weight.element_size()
         if self.lm_head is None:
             head, embed = self.tied_head_q, self.model.embed_tokens
-            total += _kernel_bytes(head) if head is not None else embed.num_embeddings * embed.embedding_dim * 4
+            total += head.kernel_bytes() if head is not None else embed.num_embeddings * embed.embedding_dim * 4
         return int(total)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
-
-
-def _kernel_bytes(qweight) -> int:
-    """Bytes of the tensors a quantized weight's kernel reads: its panels when it has them."""
-    total = 0
-    for w in leaf_weights(qweight):
-        src = w.panels if w.panels is not None else w
-        total += sum(t.numel() * t.element_size() for t in vars(src).values() if isinstance(t, torch.Tensor))
-    return total
 
 
 # Mixtral's checkpoint names -> the ones the other MoE families (and our modules) use

@@ -18,14 +18,14 @@ from typing import Iterator
 import torch
 
 from tokenmill import kernels, resources
-from tokenmill.layers.linear import PREQUANTIZED, QUANT_POLICIES, deferred_weights
+from tokenmill.layers.linear import deferred_weights
 from tokenmill.models import hf_quant
 from tokenmill.models import weight_cache as weight_cache_mod
 from tokenmill.models.arch import ArchConfig
 from tokenmill.models.gguf_loader import GGUFFile, is_gguf
 from tokenmill.models.llama import CausalLM, load_weights
 from tokenmill.models.tokenizer import Tokenizer
-from tokenmill.quant import kquant
+from tokenmill.quant.assembly import PREQUANTIZED, QUANT_POLICIES, packed_bytes
 
 
 @dataclass
@@ -195,8 +195,8 @@ def _build(arch: ArchConfig, dtype: torch.dtype, device: torch.device, weights: 
 def _check_fits(source: str, tensors: list[tuple[str, int, str]], arch: ArchConfig, plan: _Plan, device: torch.device,
                 tp_group) -> None:
     """`tensors`: (hf name, elements, kind) with kind float, q4 (4-bit blocks kept as int4) or
-    another quantized form (a GGUF block type at its own width, `kquant.PACKED_BYTES`, else int8 in
-    the kernels; its own blocks for the embedding).
+    another quantized form (`quant.assembly.packed_bytes`, which follows the packing's decisions;
+    the embedding keeps its own blocks).
     Tensor-parallel ranks share the host: rank 0 checks the whole model."""
     if device.type != "cpu" or (tp_group is not None and tp_group.rank != 0):
         return
@@ -207,14 +207,8 @@ def _check_fits(source: str, tensors: list[tuple[str, int, str]], arch: ArchConf
             weights += n * (0.6 if kind != "float" and quantize else 4)  # Q4..Q8 blocks kept as they are
             if arch.tie_word_embeddings and quantize and (kind != "float" or plan.policy in ("int8", "int4")):
                 weights += n  # the tied head's int8 panels
-        elif kind == "q4" and quantize:
-            weights += n * 0.625 + (4 * n if plan.keep_float else 0)
-        elif kind in kquant.PACKED_BYTES and plan.policy in ("auto", *PREQUANTIZED):
-            weights += n * kquant.PACKED_BYTES[kind] + (4 * n if plan.keep_float else 0)
-        elif (kind != "float" and quantize) or plan.policy in ("int8", "int4"):
-            weights += n * (0.625 if plan.policy == "int4" else 1) + (4 * n if plan.keep_float else 0)
         else:
-            weights += 4 * n
+            weights += packed_bytes(kind, n, plan.policy, plan.keep_float)
     resources.check_fits(int(weights), plan.reserve_bytes, source)
 
 

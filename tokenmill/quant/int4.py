@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill import kernels
+from tokenmill.quant.base import QuantWeight
 from tokenmill.utils import huge_page_zeros
 
 
 @dataclass
-class Int4Weight:
+class Int4Weight(QuantWeight):
     group_size: int
     out_features: int
     in_features: int
@@ -30,6 +31,20 @@ class Int4Weight:
     packed: torch.Tensor | None = None         # uint8 (N, K/2), torch's CPU int4 packing
     scales_zeros: torch.Tensor | None = None   # bfloat16 (K/group_size, N, 2)
     nibbles: torch.Tensor | None = None        # uint8 (N, K/2): q[n, 2j] | q[n, 2j+1] << 4
+
+    @property
+    def reduction_unit(self) -> int:
+        return self.group_size
+
+    def matmul(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        if self.panels is not None:
+            return super().matmul(x, partial)
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if x2.shape[0] >= DEQUANT_MIN_ROWS and self.nibbles is not None:
+            y = torch.nn.functional.linear(x2.float(), _dequantize_fallback(self))
+        else:
+            y = torch._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 DEQUANT_MIN_ROWS = 128  # fallback: from this many rows of x, dequantize once + float GEMM
@@ -51,20 +66,6 @@ def pack(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size
     q8 = q.to(torch.uint8)
     return Int4Weight(group_size, n, k, packed=packed, scales_zeros=sz,
                       nibbles=(q8[:, 0::2] | (q8[:, 1::2] << 4)).contiguous())
-
-
-def matmul(x: torch.Tensor, w: Int4Weight, partial: bool = False) -> torch.Tensor:
-    """x: (..., K) -> (..., N) in x's dtype; `partial`: the dot kernels' float64 sums, unrounded
-    (a row-parallel rank's share, `kernels.int4_linear`)."""
-    if w.panels is not None:
-        y = kernels.int4_linear(x.float(), w.panels, partial)
-        return y if partial else y.to(x.dtype)
-    x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
-    if x2.shape[0] >= DEQUANT_MIN_ROWS and w.nibbles is not None:
-        y = torch.nn.functional.linear(x2.float(), _dequantize_fallback(w))
-    else:
-        y = torch._weight_int4pack_mm_for_cpu(x2, w.packed, w.group_size, w.scales_zeros)
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
 def _dequantize_fallback(w: Int4Weight) -> torch.Tensor:

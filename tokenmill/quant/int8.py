@@ -8,16 +8,24 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill import kernels
+from tokenmill.quant.base import QuantWeight
 from tokenmill.utils import huge_page_zeros
 
 
 @dataclass
-class Int8Weight:
+class Int8Weight(QuantWeight):
     q: torch.Tensor | None  # int8 (N, K); None where the panels hold the only copy
     scale: torch.Tensor   # (N,): bfloat16 for PyTorch's kernel, float32 with panels
     out_features: int
     in_features: int
     panels: kernels.Int8Panels | None = None  # tokenmill's kernel layout of the same numbers
+
+    def matmul(self, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
+        if self.panels is not None:
+            return super().matmul(x, partial)
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch._weight_int8pack_mm(x2, self.q, self.scale)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
 def make(q: torch.Tensor, scale: torch.Tensor) -> Int8Weight:
@@ -39,16 +47,6 @@ def rtn_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rtn(w: torch.Tensor) -> Int8Weight:
     return make(*rtn_parts(w))
-
-
-def matmul(x: torch.Tensor, w: Int8Weight, partial: bool = False) -> torch.Tensor:
-    """As int4.matmul."""
-    if w.panels is not None:
-        y = kernels.int8_linear(x.float(), w.panels, partial)
-        return y if partial else y.to(x.dtype)
-    x2 = x.reshape(-1, w.in_features).to(torch.bfloat16)
-    y = torch._weight_int8pack_mm(x2, w.q, w.scale)
-    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
 def dequantize(w: Int8Weight) -> torch.Tensor:

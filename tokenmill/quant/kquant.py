@@ -39,6 +39,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.quant import gguf_blocks
+from tokenmill.quant.base import QuantWeight
 from tokenmill.utils import huge_page_zeros
 
 SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")  # 256-weight super-blocks
@@ -52,11 +53,16 @@ Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Int4Panels | kernels.In
 
 
 @dataclass
-class KQuantWeight:
+class KQuantWeight(QuantWeight):
+    """A GGUF block type at its own width: always on the panels (`supported` needs the kernels)."""
     kind: str
     out_features: int
     in_features: int
     panels: Panels
+
+    @property
+    def reduction_unit(self) -> int:
+        return unit(self.kind)
 
 
 def supported(kind: str, rows: int, cols: int) -> bool:
@@ -92,10 +98,6 @@ def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
     else:
         panels = kernels.Int8Panels(z((p, cols // 4, 64), torch.uint8), z((p, cols // 32, 16), torch.half), rows, dot=True)
     return KQuantWeight(kind, rows, cols, panels)
-
-
-def _tensors(p: Panels) -> dict[str, torch.Tensor]:
-    return {f.name: getattr(p, f.name) for f in dataclasses.fields(p) if isinstance(getattr(p, f.name), torch.Tensor)}
 
 
 def fill(w: KQuantWeight, start: int, rows: int, read) -> None:
@@ -147,16 +149,7 @@ def rows_of(w: KQuantWeight, start: int, count: int) -> KQuantWeight:
     """Rows [start, start + count) (whole panels) as a weight of their own, copied out."""
     lanes = kernels.LANES
     parts = {}
-    for name, t in _tensors(w.panels).items():
+    for name, t in w.panels.tensors().items():
         part = t[start // lanes:(start + count + lanes - 1) // lanes]
         parts[name] = huge_page_zeros(tuple(part.shape), part.dtype).copy_(part)
     return KQuantWeight(w.kind, count, w.in_features, dataclasses.replace(w.panels, out_features=count, **parts))
-
-
-def matmul(x: torch.Tensor, w: KQuantWeight, partial: bool = False) -> torch.Tensor:
-    """x (..., K) -> (..., N) in x's dtype (`partial`: float64 sums, as int4.matmul)."""
-    p = w.panels
-    fn = {kernels.Q4KPanels: kernels.q4k_linear, kernels.Q6KPanels: kernels.q6k_linear, kernels.LutPanels: kernels.lut_linear,
-          kernels.Int4Panels: kernels.int4_linear, kernels.Int8Panels: kernels.int8_linear}[type(p)]
-    y = fn(x.float(), p, partial)
-    return y if partial else y.to(x.dtype)
