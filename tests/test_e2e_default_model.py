@@ -109,6 +109,21 @@ def test_chat_answers_sensibly(llm):
     assert "Paris" in out.outputs[0].text and out.outputs[0].finish_reason == "stop"
 
 
+def test_token_ids_have_one_copy_and_outputs_are_snapshots(llm):
+    """The runner reads the scheduler's token list itself (it keeps no copy), and the outputs a
+    caller keeps do not change as later steps run."""
+    engine = llm.engine
+    engine.add_request("one-copy", "Once upon a time", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+        req = engine.scheduler.requests.get("one-copy")
+        if req is not None:
+            assert engine.executor.runner.states["one-copy"].token_ids is req.token_ids
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 9))
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == outs[-1].outputs[0].token_ids
+
+
 def test_abort_frees_blocks_at_once(llm):
     engine = llm.engine
     free = engine.block_manager.num_free_blocks

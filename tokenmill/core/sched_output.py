@@ -13,6 +13,9 @@ class NewRequest:
     """What the runner keeps about a request for sampling: its params, the tokens so far (for
     penalties and n-gram drafts) and which of them are the prompt."""
     req_id: str
+    # the scheduler's own list, not a copy: the runner reads it and never changes it; the scheduler
+    # appends each step's tokens once the step is done (a worker rank in another process gets a copy,
+    # which it never needs to update: only rank 0 samples)
     token_ids: list[int]
     prompt_len: int
     params: SamplingParams
@@ -103,7 +106,7 @@ class StepTiming:
 class DraftRequest:
     """What the runner asks a proposer (spec/) for."""
     req_id: str
-    token_ids: list[int]   # prompt + output so far (the runner's list: read, never change it)
+    token_ids: list[int]   # prompt + output so far, this step's tokens included (the step's view: read only)
     prompt_len: int
     params: SamplingParams
     num_drafts: int        # most drafts wanted

@@ -199,7 +199,7 @@ class Scheduler:
         end = start + num_new
         kept = self._blocks_sent.get(req.req_id)
         if kept is None:
-            out.new_requests.append(NewRequest(req.req_id, list(req.token_ids), req.prompt_len, req.params,
+            out.new_requests.append(NewRequest(req.req_id, req.token_ids, req.prompt_len, req.params,
                                                sorted(req.eos_token_ids)))
             kept = 0
         self._blocks_sent[req.req_id] = len(req.block_table)

@@ -7,18 +7,19 @@ outputs are gathered back under the parent id.
 
 Request state, by owner (only the owner writes; the others read what they are handed):
 - AsyncEngine (server side): the caller's stream and deadlines, by request id.
-- OutputProcessor (engine/output.py): the prompt as given, the n sibling sequences, their
-  detokenizers and the CompletionOutputs built so far.
-- Scheduler (core/): the sequences' `Request`s, the one authoritative copy of their token ids,
-  computed counts, block tables, status and finish reason (a stop string ends one through
-  `Scheduler.stop_at`), and the draft policy's per-request estimate; the BlockManager the blocks.
+- OutputProcessor (engine/output.py): the prompt as given and as tokenized (what the outputs
+  show), the n sibling sequences, their detokenizers, and text, logprobs and finish so far.
+- Scheduler (core/): the sequences' `Request`s, the one copy of their token ids (prompt + output)
+  in the process, computed counts, block tables, status and finish reason (a stop string ends one
+  through `Scheduler.stop_at`), and the draft policy's per-request estimate; the BlockManager the
+  blocks. It appends each step's tokens once the step is done (`Scheduler.update`).
 - ModelRunner (runner/): per sequence, what sampling needs between steps (`ReqState`: params, the
-  tokens so far, the block table as deltas left it, a grammar matcher), learnt from the
-  SchedulerOutput and dropped at `finished_req_ids`. Its token ids are a second copy, kept by
-  appending what it samples: tensor-parallel ranks and the draft model's own runner need it
-  outside the scheduler's process or view.
-- Proposers (spec/): the n-gram indexes, and the draft model's own scheduler-side requests.
-The RequestOutputs handed out carry copies: callers may keep them.
+  block table as deltas left it, a grammar matcher, and the scheduler's token list itself, read
+  only), learnt from the SchedulerOutput and dropped at `finished_req_ids`. A worker rank in
+  another process holds the copy it was sent and never reads it (only rank 0 samples).
+- Proposers (spec/): the n-gram indexes, and the draft model's own requests, whose tokens are the
+  step's view the runner hands them (history + this step's tokens, built per step).
+The RequestOutputs handed out are snapshots (output ids sliced once per step): callers may keep them.
 """
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ class LLMEngine:
                             priority, cache_salt) for i, p in enumerate(params_list)]
         for req in children:
             self.scheduler.add_request(req)
-        self.output.add(req_id, text if prompt_text is None else prompt_text, children)
+        self.output.add(req_id, text if prompt_text is None else prompt_text, ids, children)
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile (and cache) a request's structured-output constraint, or raise ValueError

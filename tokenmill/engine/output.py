@@ -25,7 +25,8 @@ class _Parent:
     prompt_token_ids: list[int]
     children: list[Request]
     detoks: list[DetokState | None]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # text, logprobs and finish so far; token ids stay the scheduler's
+    sent: list[int]                  # output tokens each sequence has reported
     error: str | None = None
 
 
@@ -42,10 +43,10 @@ class OutputProcessor:
         """Requests with a sequence not yet finished."""
         return len(self._parents)
 
-    def add(self, req_id: str, prompt: str | None, children: list[Request]) -> None:
-        """A request's sequences, already handed to the scheduler."""
-        ids = children[0].token_ids[:children[0].prompt_len]
-        parent = _Parent(req_id, prompt, ids, children, [], [])
+    def add(self, req_id: str, prompt: str | None, ids: list[int], children: list[Request]) -> None:
+        """A request's sequences, already handed to the scheduler; `ids`: its prompt as tokenized,
+        which the outputs show (the sequences grow copies of their own)."""
+        parent = _Parent(req_id, prompt, ids, children, [], [], [0] * len(children))
         for i, req in enumerate(children):
             parent.detoks.append(DetokState(self.tokenizer, ids, req.params) if self.tokenizer else None)
             parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))
@@ -111,11 +112,13 @@ class OutputProcessor:
             self._parents.pop(parent.req_id, None)
 
     def _request_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
+        """The caller's snapshot: each sequence's output ids sliced once from the scheduler's list
+        (this module keeps no copy of them between steps)."""
+        ids = [req.output_token_ids for req in parent.children]
         for i in changed:
             req, out, detok = parent.children[i], parent.outputs[i], parent.detoks[i]
-            new_ids = req.output_token_ids[len(out.token_ids):]
-            out.token_ids = list(req.output_token_ids)
-            out.delta_token_ids = new_ids
+            out.delta_token_ids = ids[i][parent.sent[i]:]
+            parent.sent[i] = len(ids[i])
             out.finish_reason, out.stop_reason = req.finish_reason, req.stop_reason
             if detok is not None:
                 out.delta_text = detok.take_delta(req.is_finished)
@@ -123,14 +126,14 @@ class OutputProcessor:
             if req.params.logprobs is not None:
                 done = out.logprobs or []
                 out.logprobs = done + [self.logprobs_for(tid, entry) for tid, entry in
-                                       zip(req.output_token_ids[len(done):], req.logprobs[len(done):])]
+                                       zip(ids[i][len(done):], req.logprobs[len(done):])]
                 out.cumulative_logprob = sum(e[0] for e in req.logprobs)
         for i in set(range(len(parent.outputs))) - changed:
             parent.outputs[i].delta_text, parent.outputs[i].delta_token_ids = "", []
         finished = all(c.is_finished for c in parent.children)
         metrics = parent.children[0].metrics
         return RequestOutput(parent.req_id, parent.prompt, parent.prompt_token_ids,
-                             [_copy(o) for o in parent.outputs], finished, metrics, parent.error)
+                             [_snapshot(o, t) for o, t in zip(parent.outputs, ids)], finished, metrics, parent.error)
 
     def logprobs_for(self, token_id: int, entry: tuple[float, int, list[tuple[int, float]]]) -> dict[int, Logprob]:
         """One position's logprobs: the sampled token first, then the top-k alternatives."""
@@ -142,7 +145,9 @@ class OutputProcessor:
         return d
 
 
-def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+def _snapshot(o: CompletionOutput, token_ids: list[int]) -> CompletionOutput:
+    """`token_ids` and the delta are fresh slices, never changed after; the logprobs list grows, so
+    the caller gets a copy of it."""
+    return CompletionOutput(o.index, o.text, token_ids, o.cumulative_logprob,
                             list(o.logprobs) if o.logprobs is not None else None, o.finish_reason, o.stop_reason,
-                            o.delta_text, list(o.delta_token_ids))
+                            o.delta_text, o.delta_token_ids)

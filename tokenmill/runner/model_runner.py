@@ -56,7 +56,7 @@ class ModelRunner:
             if self.proposer is not None:
                 self.proposer.drop(req_id)
         for new in sched.new_requests:
-            st = self.states[new.req_id] = ReqState(new.params, list(new.token_ids), new.prompt_len,
+            st = self.states[new.req_id] = ReqState(new.params, new.token_ids, new.prompt_len,
                                                      new.eos_token_ids)
             if new.params.structured_outputs is not None and self.grammars is not None:
                 # compiled (and cached) when the request was added; a recomputed request replays its output
@@ -104,7 +104,8 @@ class ModelRunner:
         for e in entries:
             if e.num_propose > 0 and e.req_id in out.sampled:
                 st = self.states[e.req_id]
-                wanted.append(DraftRequest(e.req_id, st.token_ids, st.prompt_len, st.params, e.num_propose))
+                wanted.append(DraftRequest(e.req_id, st.token_ids + out.sampled[e.req_id], st.prompt_len, st.params,
+                                            e.num_propose))
         if wanted:
             t0 = time.perf_counter()
             out.draft_token_ids = self._propose(wanted)

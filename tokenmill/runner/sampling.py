@@ -26,7 +26,7 @@ SAMPLING_FAILED = "sampling this request's next token failed (an internal error;
 class ReqState:
     """What the runner keeps of a request between steps (the runner's `states`, by request id)."""
     params: SamplingParams
-    token_ids: list[int]          # prompt + output so far, as the scheduler has them after each step
+    token_ids: list[int]          # prompt + output before this step: the scheduler's list, read only
     prompt_len: int
     eos_ids: list[int]
     block_table: list[int] = field(default_factory=list)
@@ -147,8 +147,6 @@ class StepSampler:
                     part.logprobs[e.req_id] = _logprobs_of(logits[offset:offset + len(emitted)], emitted, k)
             part.sampled[e.req_id] = emitted
             offset += n
-        for req_id, emitted in part.sampled.items():
-            self.states[req_id].token_ids.extend(emitted)
         out.sampled.update(part.sampled)
         out.logprobs.update(part.logprobs)
 

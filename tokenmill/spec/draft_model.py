@@ -140,7 +140,7 @@ class DraftModelProposer:
                 if d != t:
                     break
                 valid += 1
-            rec.token_ids = list(tokens)
+            rec.token_ids = tokens  # the step's view, replaced by the next one
             rec.num_computed_tokens = min(valid, len(tokens) - 1)
             bm.cache_full_blocks(rec)
         self.probs.pop(w.req_id, None)
