@@ -1,2 +1,3 @@
-"""Weight-only quantization: packed int4 (group-wise) and int8 (per-channel) weights, the CPU
-kernels that multiply by them, and exact decoding of GGUF 4-bit blocks."""
+"""Weight-only quantization: the formats (base.py's interface; int4.py, int8.py, kquant.py), which
+format a layer's checkpoint shards become (assembly.py), and the checkpoint encodings they come
+from (GGUF blocks: gguf_tensor.py, gguf_blocks.py; AWQ/GPTQ: packed.py)."""
