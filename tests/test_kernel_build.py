@@ -182,3 +182,16 @@ def test_the_build_time_limit_must_be_a_positive_number(monkeypatch):
             build.build_timeout()
     monkeypatch.setenv(build.BUILD_TIMEOUT_ENV, "30")
     assert build.build_timeout() == 30.0
+
+
+def test_the_torch_headers_are_precompiled_once_for_every_source(tmp_path, monkeypatch):
+    """The build parses PyTorch's headers once (a precompiled header made with the sources' own
+    flags) instead of once per source; a compiler that cannot make one leaves the sources to
+    parse them themselves."""
+    isa = build.requested()
+    flags = build._precompiled_header("probe", isa, tmp_path)
+    assert flags == ["-include", str(tmp_path / "torch_headers.h")]
+    assert (tmp_path / "torch_headers.h.gch").stat().st_size > 0
+    (tmp_path / "x").mkdir()
+    monkeypatch.setenv("CXX", "false")
+    assert build._precompiled_header("probe", isa, tmp_path / "x") == []
