@@ -3,11 +3,14 @@
 batch rows: tokenmill's int4/int8 panel kernels (tokenmill/kernels; on VNNI CPUs with 16-bit and,
 as `_a8`, 8-bit activations), PyTorch's int4
 (`_weight_int4pack_mm_for_cpu`, bf16 activations), int8 (`_weight_int8pack_mm`) and float32 GEMM.
-Explains the choices in quant/ and layers/linear.py. (Not named kernels.py: transformers imports
+On the `amx` variant also the AMX tile product (`_amx`, bfloat16 activations; the integer columns
+then run with AMX off) and PyTorch's bfloat16 GEMM (oneDNN, on AMX too): where their crossover with
+the integer kernels lies is kernels.AMX_MIN_ROWS. Explains the choices in quant/ and layers/linear.py. (Not named kernels.py: transformers imports
 any importable module of that name.)
 
     python benchmarks/kernel_bench.py                      # a 1536x576 MLP matrix of SmolLM2
     python benchmarks/kernel_bench.py --n 49152 --k 576    # its output head
+    python benchmarks/kernel_bench.py --n 8192 --k 2048 --rows 16,32,64,128,256,512   # a 1B MLP, AMX
     python benchmarks/kernel_bench.py --n 576 --k 1536 --segment 256   # down_proj summed as under TP
                                                                        # (`_seg` columns)
 """
@@ -31,13 +34,20 @@ a = ap.parse_args()
 torch.set_num_threads(a.threads)
 w = torch.randn(a.n, a.k)
 parts4 = int4.quantize_rtn(w, 32)
-w8 = int8.quantize_rtn(w)
+q8, s8 = int8.rtn_parts(w)
 tm4 = kernels.pack_int4(*parts4) if kernels.available() else None
-tm8 = kernels.pack_int8(w8.q, w8.scale.float()) if kernels.available() else None
+tm8 = kernels.pack_int8(q8, s8) if kernels.available() else None
 # PyTorch's layouts
 sz = torch.stack([parts4[1].t(), (parts4[2] + 8 * parts4[1]).t()], dim=-1).to(torch.bfloat16).contiguous()
 packed4 = torch._convert_weight_to_int4pack_for_cpu(parts4[0].to(torch.int32), 1)
-scale8 = w8.scale.to(torch.bfloat16)
+scale8 = s8.to(torch.bfloat16)
+amx = kernels.amx()
+kernels.AMX["min_rows"] = 0  # the integer kernels' own columns
+
+
+def tiles(x, w):
+    kind, tensors = w.stack_args()
+    return torch.ops.tokenmill.amx_linear(x, int(kind), *tensors, w.out_features)
 
 
 def timed(fn, reps):
@@ -66,7 +76,12 @@ for m in [int(r) for r in a.rows.split(",")]:
                 row[f"tokenmill_int8{tag}_seg_us"] = timed(lambda: kernels.int8_linear(x, tm8), reps)
                 tm4.segment = tm8.segment = 0
         row["tokenmill_layout"] = "dot" if tm4.dot else "float"
+        if amx:
+            row["tokenmill_int4_amx_us"] = timed(lambda: tiles(x, tm4), reps)
+            row["tokenmill_int8_amx_us"] = timed(lambda: tiles(x, tm8), reps)
+            wb = w.to(torch.bfloat16)
+            row["bf16_gemm_us"] = timed(lambda: torch.nn.functional.linear(xb, wb), reps)
     row.update({"torch_int4_bf16_us": timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz), reps),
-                "torch_int8_bf16_us": timed(lambda: torch._weight_int8pack_mm(xb, w8.q, scale8), reps),
+                "torch_int8_bf16_us": timed(lambda: torch._weight_int8pack_mm(xb, q8, scale8), reps),
                 "fp32_gemm_us": timed(lambda: torch.nn.functional.linear(x, w), reps)})
     print(json.dumps({"n": a.n, "k": a.k, **{k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}}))

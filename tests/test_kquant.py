@@ -101,7 +101,7 @@ def test_transcoded_panels_hold_exactly_the_file_weights(kind, rows):
 @pytest.mark.parametrize("n,k", [(48, 512), (40, 256)])  # 40 rows: a partial last panel
 @pytest.mark.parametrize("m", [1, 3, 7, 33])
 @pytest.mark.parametrize("bits", [16, 8])
-def test_kernel_equals_the_dequantized_matmul(kind, n, k, m, bits):
+def test_kernel_equals_the_dequantized_matmul(kind, n, k, m, bits, integer_kernels):
     rng = np.random.default_rng(n + k + m)
     raw = random_blocks(rng, n, k, kind)
     w = kquant.from_blocks(kind, n, k, lambda a, b: raw[a:b])

@@ -210,7 +210,7 @@ def _dense_logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
 
 
-def test_family_gguf_matches_hf_directory(family, tmp_path):
+def test_family_gguf_matches_hf_directory(family, tmp_path, integer_kernels):
     """The same tiny model written as GGUF (llama.cpp's layout and metadata, by the `gguf` package)
     loads to the same logits as its Hugging Face directory; as Q4_0 its 4-bit blocks load straight
     into the int4 kernels (fused Phi-3 tensors split by rows) and compute what their dequantized

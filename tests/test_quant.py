@@ -37,7 +37,7 @@ def backend(request, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [1, 5, 64, 200])
-def test_int4_kernel_matches_dequantized_matmul(m, backend):
+def test_int4_kernel_matches_dequantized_matmul(m, backend, integer_kernels):
     torch.manual_seed(0)
     w = torch.randn(96, 256)
     q, scale, minimum = int4.quantize_rtn(w, 32)

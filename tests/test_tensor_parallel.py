@@ -93,7 +93,7 @@ def assert_same(a, b, tol: float | None) -> None:
 
 
 @pytest.mark.parametrize("chunk", [256, 8], ids=["whole-prompts", "chunked-prefill"])
-def test_tp2_equals_tp1_float32(tiny_model, chunk):
+def test_tp2_equals_tp1_float32(tiny_model, chunk, integer_kernels):
     kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=chunk)
     ref, _ = run(tiny_model, 1, **kw)
     got, engine = run(tiny_model, 2, **kw)
@@ -101,7 +101,7 @@ def test_tp2_equals_tp1_float32(tiny_model, chunk):
     assert_same(ref, got, 1e-4)
 
 
-def test_tp2_int4_checkpoint(tiny_llama, tmp_path):
+def test_tp2_int4_checkpoint(tiny_llama, tmp_path, integer_kernels):
     from tokenmill.compress import export
     from tokenmill.compress import quantize as quant
     from tokenmill.models import loader
@@ -124,7 +124,7 @@ def test_tp2_int4_checkpoint(tiny_llama, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [8, 16])
-def test_tp2_default_gguf_with_prefix_cache_and_preemption(default_model, bits):
+def test_tp2_default_gguf_with_prefix_cache_and_preemption(default_model, bits, integer_kernels):
     """The default model's Q4_1 blocks with either activation width (8: the AVX2 default, where the
     next layer's rounding would magnify any difference in how a row-parallel sum is added up), a
     shared prefix served from the cache, and a cache so small that requests are preempted and
@@ -149,7 +149,7 @@ def test_tp2_default_gguf_with_prefix_cache_and_preemption(default_model, bits):
 
 
 @pytest.mark.slow
-def test_tp2_default_model_answers_as_tp1(default_model):
+def test_tp2_default_model_answers_as_tp1(default_model, integer_kernels):
     """Real prompts through the tokenizer with the CPU's default activation width: 64 greedy tokens
     each, token for token and logprob for logprob as one process (before the row-parallel sums
     were added in float64, 11 of these 16 parted, one at its first token)."""
@@ -279,7 +279,7 @@ def ray_cluster():
     ray.shutdown()
 
 
-def test_ray_backend_equals_tp1(tiny_llama, ray_cluster):
+def test_ray_backend_equals_tp1(tiny_llama, ray_cluster, integer_kernels):
     import ray
 
     kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB")
@@ -337,7 +337,7 @@ def test_idle_workers_are_pinged_and_serve_on(tiny_llama, monkeypatch):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_speculative_decoding_under_tp(tiny_llama, method):
+def test_speculative_decoding_under_tp(tiny_llama, method, integer_kernels):
     """Drafts are verified by the sharded target as 1 + k rows per request; a draft model runs
     whole on rank 0 beside it. Greedy outputs equal plain TP=1 decoding."""
     spec = {"method": method, "num_speculative_tokens": 3, "adaptive": False}

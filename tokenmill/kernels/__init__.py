@@ -5,9 +5,9 @@ blocks in place (attention.cpp), all decoder layers of a decode step in one call
 one-pass RMSNorm, rotary embedding, SiLU-and-multiply and row argmax (pointwise.cpp).
 
 Compiled on first use for one instruction-set variant (build.py: avx2, avxvnni, avx512,
-avx512vnni; the best this CPU runs, or TOKENMILL_CPU_ISA), cached on disk under a key that
-includes the variant. Where no variant runs (no compiler, not x86-64, no AVX2) the callers keep
-PyTorch's kernels and say so once.
+avx512vnni, amx; the best this CPU runs, or TOKENMILL_CPU_ISA), cached on disk under a key that
+includes the variant. On amx (Xeons with AMX) prompt chunks multiply on AMX tiles (amx.cpp). Where
+no variant runs (no compiler, not x86-64, no AVX2) the callers keep PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layouts (panels.py, re-exported here) only; it
 imports nothing from tokenmill.
@@ -23,13 +23,17 @@ import threading
 import torch
 
 from . import build
-from .panels import (LANES, PACK_ROWS, Int4Panels, Int8Panels, LutPanels, Q4KPanels, Q6KPanels, StackKind,  # noqa: F401
+from .panels import (AMX, LANES, PACK_ROWS, Int4Panels, Int8Panels, LutPanels, Q4KPanels, Q6KPanels, StackKind,  # noqa: F401
                      _panels, fifth_bit_panels, int4_dot_panels, int4_linear, int8_dot_panels, int8_linear,
                      lut_linear, per_panel, q4k_linear, q6k_linear, unpack_int8, _pad_rows)
 
 logger = logging.getLogger(__name__)
 
 ACT_BITS = (8, 16)  # activation integer widths of the dot layout
+# Rows from which a product runs on AMX tiles (amx variant): below it the VNNI kernels are faster
+# (benchmarks/kernel_bench.py --amx measures the crossover)
+AMX_MIN_ROWS = 32
+AMX_ENV = "TOKENMILL_AMX"  # "0": prompt chunks stay on the integer kernels (comparisons, TP=N's bits)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": result of the one attempt to build/load; "isa", "dot"
 
@@ -69,12 +73,23 @@ def _load() -> bool:
         raise RuntimeError(f"tokenmill kernels: asked for {isa} but {built} is loaded ({path}).")
     _state["isa"], _state["path"] = isa, str(path)
     _state["dot"] = torch.ops.tokenmill.layout() == "dot"
+    if isa == "amx" and os.environ.get(AMX_ENV, "1") != "0":
+        refused = torch.ops.tokenmill.amx_status()  # asks the OS for tile state, once per process
+        if refused:
+            logger.warning("tokenmill: %s; prompt chunks run on the AVX512-VNNI kernels instead.", refused)
+        else:
+            AMX["min_rows"] = AMX_MIN_ROWS
     logger.info("tokenmill CPU kernels: %s variant (%s layout)", isa, torch.ops.tokenmill.layout())
     return True
 
 
+def amx() -> bool:
+    """True where prompt chunks run on AMX tiles: the amx variant is loaded and the OS granted tile state."""
+    return available() and AMX["min_rows"] > 0
+
+
 def isa() -> str | None:
-    """The loaded kernel variant (avx2, avxvnni, avx512, avx512vnni), or None where they are not
+    """The loaded kernel variant (avx2, avxvnni, avx512, avx512vnni, amx), or None where they are not
     loaded (not used yet, e.g. on a GPU, or unavailable: PyTorch's kernels serve)."""
     return str(_state["isa"]) if _state.get("loaded") else None
 

@@ -30,7 +30,7 @@ logger = logging.getLogger("tokenmill.kernels")
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / f for f in ("linear.cpp", "dot_linear.cpp", "kquant.cpp", "lut.cpp", "attention.cpp",
-                              "context_attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp")]
+                              "context_attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp", "amx.cpp")]
 HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h")]
 
 _AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt")
@@ -43,6 +43,10 @@ VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx512vnni": (_AVX512 + ("-mavx512vnni",),
                    frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                               "avx512_vnni"})),
+    # avx512vnni plus AMX tiles for prompt chunks (amx.cpp); decode keeps the VNNI kernels
+    "amx": (_AVX512 + ("-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+            frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                       "avx512_bf16", "amx_tile", "amx_bf16"})),
 }
 ISA_ENV = "TOKENMILL_CPU_ISA"
 
@@ -79,7 +83,7 @@ def executable(flags: frozenset[str] | None = None) -> list[str]:
 def best(flags: frozenset[str] | None = None) -> str | None:
     """The variant `auto` picks: the widest this CPU executes (VNNI before its absence)."""
     runs = executable(flags)
-    for name in ("avx512vnni", "avx512", "avxvnni", "avx2"):
+    for name in ("amx", "avx512vnni", "avx512", "avxvnni", "avx2"):
         if name in runs:
             return name
     return None

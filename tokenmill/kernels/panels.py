@@ -31,6 +31,24 @@ class StackKind(enum.IntEnum):
     LUT = 8
 
 
+# Prompt chunks on AMX tiles (amx.cpp, the `amx` variant): products of at least this many rows run
+# there, bfloat16 activations against weights decoded per tile; fewer rows (decode) keep the integer
+# kernels. 0: off (another variant, or the OS refused tile state). Set by tokenmill.kernels on load.
+AMX = {"min_rows": 0}
+AMX_KINDS = frozenset({StackKind.INT4_DOT, StackKind.INT8_DOT, StackKind.Q4K, StackKind.Q6K})
+
+
+def _amx(x2: torch.Tensor, w: "_Panels", partial: bool) -> torch.Tensor | None:
+    """The AMX product of x2 (M, K) float32, or None where it does not apply (too few rows, a
+    row-parallel rank's float64 partial sums, a format without a tile decoder)."""
+    if partial or not AMX["min_rows"] or x2.shape[0] < AMX["min_rows"]:
+        return None
+    kind, tensors = w.stack_args()
+    if kind not in AMX_KINDS:
+        return None
+    return torch.ops.tokenmill.amx_linear(x2, int(kind), *tensors, w.out_features)
+
+
 class _Panels:
     """What every layout shares (the dataclasses below add their tensors)."""
     out_features: int
@@ -193,35 +211,42 @@ def unpack_int8(w: Int8Panels) -> torch.Tensor:
 
 def int4_linear(x: torch.Tensor, w: Int4Panels, partial: bool = False) -> torch.Tensor:
     """x (..., K) float32 -> (..., N). In the dot layout x is first rounded to `w.act_bits`-bit
-    integers per 32 inputs (the product is then exact); the float layout multiplies in float32.
+    integers per 32 inputs (the product is then exact), or to bfloat16 for AMX tiles where a prompt
+    chunk has AMX["min_rows"] rows; the float layout multiplies in float32.
     `partial` (dot layout): float64 sums, unrounded, for a row-parallel rank's all-reduce (float32
     otherwise)."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if w.dot:
+    y = _amx(x2, w, partial) if w.dot else None
+    if y is None and w.dot:
         y = torch.ops.tokenmill.int4_linear_dot(x2, w.q, w.s, w.m, w.out_features, w.act_bits, w.segment, partial, w.qh)
-    else:
+    elif y is None:
         y = torch.ops.tokenmill.int4_linear(x2, w.q, w.s, w.m, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 
 def int8_linear(x: torch.Tensor, w: Int8Panels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    if w.dot:
+    y = _amx(x2, w, partial) if w.dot else None
+    if y is None and w.dot:
         y = torch.ops.tokenmill.int8_linear_dot(x2, w.q, w.s, w.out_features, w.act_bits, w.segment, partial)
-    else:
+    elif y is None:
         y = torch.ops.tokenmill.int8_linear(x2, w.q, w.s, w.out_features)
     return y.view(*x.shape[:-1], w.out_features)
 
 
 def q4k_linear(x: torch.Tensor, w: Q4KPanels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tokenmill.q4k_linear_dot(x2, w.q, w.sm, w.dd, w.out_features, w.act_bits, w.segment, partial, w.qh)
+    y = _amx(x2, w, partial)
+    if y is None:
+        y = torch.ops.tokenmill.q4k_linear_dot(x2, w.q, w.sm, w.dd, w.out_features, w.act_bits, w.segment, partial, w.qh)
     return y.view(*x.shape[:-1], w.out_features)
 
 
 def q6k_linear(x: torch.Tensor, w: Q6KPanels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tokenmill.q6k_linear_dot(x2, w.ql, w.qh, w.sc, w.d, w.out_features, w.act_bits, w.segment, partial)
+    y = _amx(x2, w, partial)
+    if y is None:
+        y = torch.ops.tokenmill.q6k_linear_dot(x2, w.ql, w.qh, w.sc, w.d, w.out_features, w.act_bits, w.segment, partial)
     return y.view(*x.shape[:-1], w.out_features)
 
 
