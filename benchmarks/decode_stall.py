@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Decode stalls: 8 streams decode; after --delay seconds one long prompt (~2,000 tokens)
-arrives. Reports the inter-token latency of the 8 running streams — over the whole run, and over
-the window while the long prompt is being prefilled (from its arrival to its answer), which is
+arrives. Reports the inter-token latency of the 8 running streams — over the whole run, before the
+prompt arrives, and over the window while the long prompt is being prefilled (from its arrival to its answer), which is
 where a server without chunked prefill stalls every stream at once. Prints one JSON line."""
 import argparse
 import asyncio
@@ -49,13 +49,15 @@ async def main():
         await asyncio.gather(*tasks)
     every = sorted(b - s for s, b in gaps)
     window = sorted(b - s for s, b in gaps if b > t0 and s < t1)  # gaps overlapping the prefill
+    before = sorted(b - s for s, b in gaps if b <= t0)  # the same streams before the prompt arrived
 
     def pct(v, p):
         return v[min(len(v) - 1, int(p / 100 * len(v)))] if v else None
 
     print(json.dumps({"label": a.label, "itl_p50_s": pct(every, 50), "itl_p99_s": pct(every, 99),
                       "itl_max_s": every[-1], "window_itl_p50_s": pct(window, 50), "window_itl_p99_s": pct(window, 99),
-                      "window_gaps": len(window), "long_prompt_tokens": usage.get("prompt_tokens"),
+                      "window_gaps": len(window),
+                      "before_itl_p50_s": pct(before, 50), "before_itl_p99_s": pct(before, 99), "long_prompt_tokens": usage.get("prompt_tokens"),
                       "long_prompt_latency_s": t1 - t0, "num_gaps": len(every)}))
 
 

@@ -210,6 +210,27 @@ void amx_gemm(const Decoder& dec, const at::BFloat16* xb, int64_t ldx, int64_t M
   });
 }
 
+// x (M, K) float32 -> the first K columns of xb (Mp, ldx) bfloat16, round to nearest even; rows
+// M..Mp zero. Threaded over rows (ATen's copy_ took ~5 % of a prompt chunk).
+void to_bf16(const at::Tensor& x, at::Tensor& xb, int64_t Mp) {
+  const int64_t M = x.size(0), K = x.size(1), ldx = xb.size(1);
+  const float* src = x.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(xb.data_ptr<at::BFloat16>());
+  at::parallel_for(0, Mp, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      uint16_t* d = dst + r * ldx;
+      if (r >= M) {
+        std::memset(d, 0, K * 2);
+        continue;
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + r * K + k + 16), _mm512_loadu_ps(src + r * K + k));
+        _mm512_storeu_si512(d + k, reinterpret_cast<const __m512i&>(v));
+      }
+    }
+  });
+}
+
 const at::Tensor& need(const c10::optional<at::Tensor>& t, const char* what) {
   TORCH_CHECK(t.has_value() && t->defined(), what, " is required for this kind");
   return *t;
@@ -235,8 +256,7 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, co
   // rows 64 bytes longer than K: at a power-of-two stride the 16 rows of an x tile share one L1 set
   const int64_t ldx = K + 32;
   at::Tensor xb = at::empty({Mp, ldx}, x.options().dtype(at::kBFloat16));
-  xb.narrow(0, 0, M).narrow(1, 0, K).copy_(x);
-  if (Mp > M) xb.narrow(0, M, Mp - M).zero_();
+  to_bf16(x.contiguous(), xb, Mp);
   at::Tensor y = at::empty({Mp, P * kLanes}, x.options());
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
