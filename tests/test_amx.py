@@ -37,7 +37,7 @@ def _tile_product(w, x: torch.Tensor) -> torch.Tensor:
 
 
 @needs_amx
-@pytest.mark.parametrize("kind", [k for k in kquant.KINDS if k not in ("IQ4_NL", "IQ4_XS", "MXFP4")])
+@pytest.mark.parametrize("kind", kquant.KINDS)
 @pytest.mark.parametrize("n,k,m", [(48, 512, 33), (40, 256, 7), (80, 768, 64)])  # 40, 80: a partial / odd panel
 def test_tiles_multiply_the_file_weights_in_bfloat16(amx, kind, n, k, m, integer_kernels):
     rng = np.random.default_rng(n + k + m)

@@ -3,7 +3,7 @@
 // A projection with many rows is a GEMM whose weights are read once per chunk but multiplied by
 // every row; AMX's TDPBF16PS does 16x16x32 bfloat16 products per instruction into float32 tiles, several
 // times the VPDPBUSD path's rate. The weights stay in their dot-layout panels (linear.cpp, kquant.cpp)
-// and are decoded per block of 32 inputs to float32 (scales and minimums applied), then rounded to
+// and are decoded per block of 32 inputs to float32 (scales, minimums, lookup tables applied), then rounded to
 // bfloat16 into a tile buffer that the rows of a block of x reuse: no bfloat16 copy of a layer, and
 // no per-block scaling inside the tile loop (the integer tiles would need one per 32 inputs, the
 // formats' scale granularity, costing more vector work than the tiles save).
@@ -128,6 +128,25 @@ struct Q6KDecoder {
   }
 };
 
+// GGUF IQ4_NL / IQ4_XS / MXFP4 (lut.cpp): 4-bit indices (int4 dot layout) into a 16-entry table,
+// times the block's scale (dot.h LutScales).
+struct LutDecoder {
+  const uint8_t* q;
+  LutScales sc;
+  v16f table;
+  int64_t K;
+  void operator()(int64_t p, int64_t b, v16f* w) const {
+    const v16f s = sc.at(static_cast<int>(p), b);
+    for (int o = 0; o < 4; ++o) {
+      const __m512i v = load64(q + p * K * 8 + (b * 4 + o) * 64);
+      for (int j = 0; j < 4; ++j) {
+        w[8 * o + j] = v16f(_mm512_permutexvar_ps(field(v, 8 * j, 15), table)) * s;
+        w[8 * o + 4 + j] = v16f(_mm512_permutexvar_ps(field(v, 8 * j + 4, 15), table)) * s;
+      }
+    }
+  }
+};
+
 // w[32] (input k, 16 outputs) -> one weight tile: row t holds the pairs (w[2t][i], w[2t+1][i]) of
 // every output i, the layout TDPBF16PS reads.
 inline void to_tile(const v16f* w, uint16_t* tile) {
@@ -241,7 +260,7 @@ const at::Tensor& need(const c10::optional<at::Tensor>& t, const char* what) {
 std::string amx_status() { return tile_status(); }
 
 // x (M, K) float32 times a dot-layout weight of stack.cpp's kind (panels.StackKind: 3 int4, 4 int8,
-// 5 Q4_K/Q5_K, 6 Q6_K) with its four tensors, as panels.stack_args() hands them -> (M, N) float32.
+// 5 Q4_K/Q5_K, 6 Q6_K, 8 IQ4_NL/IQ4_XS/MXFP4) with its four tensors, as panels.stack_args() hands them -> (M, N) float32.
 at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                       const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& d, int64_t N) {
   TORCH_CHECK(tile_status().empty(), tile_status());
@@ -301,6 +320,21 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, co
     check_panel(sc, {P, K / 16, kLanes}, at::kChar, "Q6_K scales");
     check_panel(dd, {P, K / 256, kLanes}, at::kHalf, "Q6_K d");
     amx_gemm(Q6KDecoder{q, qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), dd.data_ptr<at::Half>(), K}, xp, ldx, Mp, K, P, yp);
+  } else if (kind == 8) {
+    const at::Tensor& s = need(b, "lookup-type scales");
+    const int lut = s.scalar_type() == at::kHalf ? 0 : s.scalar_type() == at::kChar ? 1 : 2;
+    check_panel(s, {P, K / 32, kLanes}, lut == 0 ? at::kHalf : lut == 1 ? at::kChar : at::kByte, "lookup-type scales");
+    const at::Half* dp = nullptr;
+    if (lut == 1) {
+      const at::Tensor& dd = need(c, "IQ4_XS d");
+      TORCH_CHECK(K % 256 == 0, "IQ4_XS needs K a multiple of 256");
+      check_panel(dd, {P, K / 256, kLanes}, at::kHalf, "IQ4_XS d");
+      dp = dd.data_ptr<at::Half>();
+    }
+    alignas(64) float table[16];
+    for (int i = 0; i < 16; ++i) table[i] = (lut == 2 ? kFP4 : kIQ4)[i];
+    const LutScales sc{s.data_ptr(), dp, lut, K / 32 * kLanes, K / 256 * kLanes};
+    amx_gemm(LutDecoder{q, sc, load(table), K}, xp, ldx, Mp, K, P, yp);
   } else {
     TORCH_CHECK(false, "amx_linear: no AMX path for weight kind ", kind);
   }

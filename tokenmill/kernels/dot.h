@@ -45,6 +45,10 @@ void check_x(const at::Tensor& x, int64_t K) {
 
 #ifdef TOKENMILL_DOT
 
+// the lookup types' tables (lut.cpp): IQ4_NL/IQ4_XS's non-linear one, MXFP4's FP4 (E2M1) doubled
+constexpr int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+constexpr int8_t kFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
 // x (M, K) float -> integers per 32 inputs, xq = round(x / d_b), |xq| <= 127 * 256 (16 bits) or 127
 // (8 bits, llama.cpp's Q8 activations). The tiles read them as int8 halves, xq = 256 h + l (h, l
 // (M, K); 8 bits: xq = h, l unused) or, for the AVX2 int8 kernel, as int16 (x16 (M, K)). d (M, K/32),
@@ -208,6 +212,25 @@ struct KScales {
     return load_half(dd + j * dd_stride + (g >> 3) * 32 + 16) * bytes16(sm + j * sm_stride + g * 32 + 16);
   }
 };
+
+// The block scale of 16 outputs (one panel's row of s) in float32, per type.
+struct LutScales {
+  const void* s;
+  const at::Half* d;  // IQ4_XS's d per 256
+  int kind;           // 0 IQ4_NL, 1 IQ4_XS, 2 MXFP4
+  int64_t s_stride, d_stride;  // per panel: K/32 * 16, K/256 * 16
+  v16f at(int j, int64_t b) const {
+    const int64_t i = j * s_stride + b * kLanes;
+    if (kind == 0) return load_half(static_cast<const at::Half*>(s) + i);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s) + i));
+    if (kind == 1) return load_half(d + j * d_stride + (b >> 3) * kLanes) * v16f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
+    const __m512i e = _mm512_cvtepu8_epi32(raw);  // 2^(e - 128): exponent field e - 1, or a subnormal below e = 2
+    const __mmask16 sub = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    return _mm512_castsi512_ps(_mm512_mask_sllv_epi32(normal, sub, _mm512_set1_epi32(0x00200000), e));
+  }
+};
+
 
 struct Sum16 {  // 16 float64 lanes: the segment sums of a panel's outputs
   __m512d lo = _mm512_setzero_pd(), hi = _mm512_setzero_pd();

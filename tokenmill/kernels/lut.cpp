@@ -22,8 +22,6 @@ namespace tokenmill {
 namespace {
 #ifdef TOKENMILL_DOT
 
-constexpr int8_t kIQ4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-constexpr int8_t kFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // the table + 128 as 16 unsigned bytes (shift 0), or one nibble of each (shift 4: high, 0 with mask: low)
 __m128i table_bytes(const int8_t* t, int shift, bool nibble) {
@@ -36,24 +34,6 @@ __m128i table_bytes(const int8_t* t, int shift, bool nibble) {
 }
 
 #if defined(TOKENMILL_DOT512)
-// The block scale of 16 outputs (one panel's row of s) in float32, per type.
-struct LutScales {
-  const void* s;
-  const at::Half* d;  // IQ4_XS's d per 256
-  int kind;           // 0 IQ4_NL, 1 IQ4_XS, 2 MXFP4
-  int64_t s_stride, d_stride;  // per panel: K/32 * 16, K/256 * 16
-  v16f at(int j, int64_t b) const {
-    const int64_t i = j * s_stride + b * kLanes;
-    if (kind == 0) return load_half(static_cast<const at::Half*>(s) + i);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(s) + i));
-    if (kind == 1) return load_half(d + j * d_stride + (b >> 3) * kLanes) * v16f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
-    const __m512i e = _mm512_cvtepu8_epi32(raw);  // 2^(e - 128): exponent field e - 1, or a subnormal below e = 2
-    const __mmask16 sub = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
-    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
-    return _mm512_castsi512_ps(_mm512_mask_sllv_epi32(normal, sub, _mm512_set1_epi32(0x00200000), e));
-  }
-};
-
 template <int MT, int NP, bool W>
 __attribute__((noinline)) void lut_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* q, LutScales sc,
                                             __m512i table, YOut y, int nvalid_last) {

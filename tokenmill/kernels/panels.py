@@ -35,7 +35,7 @@ class StackKind(enum.IntEnum):
 # there, bfloat16 activations against weights decoded per tile; fewer rows (decode) keep the integer
 # kernels. 0: off (another variant, or the OS refused tile state). Set by tokenmill.kernels on load.
 AMX = {"min_rows": 0}
-AMX_KINDS = frozenset({StackKind.INT4_DOT, StackKind.INT8_DOT, StackKind.Q4K, StackKind.Q6K})
+AMX_KINDS = frozenset({StackKind.INT4_DOT, StackKind.INT8_DOT, StackKind.Q4K, StackKind.Q6K, StackKind.LUT})
 
 
 def _amx(x2: torch.Tensor, w: "_Panels", partial: bool) -> torch.Tensor | None:
@@ -252,5 +252,7 @@ def q6k_linear(x: torch.Tensor, w: Q6KPanels, partial: bool = False) -> torch.Te
 
 def lut_linear(x: torch.Tensor, w: LutPanels, partial: bool = False) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    y = torch.ops.tokenmill.lut_linear_dot(x2, w.q, w.s, w.d, w.out_features, w.act_bits, w.segment, partial)
+    y = _amx(x2, w, partial)
+    if y is None:
+        y = torch.ops.tokenmill.lut_linear_dot(x2, w.q, w.s, w.d, w.out_features, w.act_bits, w.segment, partial)
     return y.view(*x.shape[:-1], w.out_features)
