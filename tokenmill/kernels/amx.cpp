@@ -264,18 +264,18 @@ std::string amx_status() { return tile_status(); }
 at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                       const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& d, int64_t N) {
   TORCH_CHECK(tile_status().empty(), tile_status());
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be float32 (M, K)");
   TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kByte && a.is_contiguous() && a.size(2) == 64,
               "panel bytes must be uint8 (P, rows, 64)");
   const int64_t P = a.size(0), M = x.size(0);
   const int64_t K = kind == 4 ? a.size(1) * 4 : a.size(1) * 8;
-  TORCH_CHECK(K % 32 == 0 && x.size(1) == K, "x must be (M, ", K, ")");
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  check_x(x, K);
   check_n(N, P);
   const int64_t Mp = (M + 15) / 16 * 16;
   // rows 64 bytes longer than K: at a power-of-two stride the 16 rows of an x tile share one L1 set
   const int64_t ldx = K + 32;
   at::Tensor xb = at::empty({Mp, ldx}, x.options().dtype(at::kBFloat16));
-  to_bf16(x.contiguous(), xb, Mp);
+  to_bf16(x, xb, Mp);
   at::Tensor y = at::empty({Mp, P * kLanes}, x.options());
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   float* yp = y.data_ptr<float>();
