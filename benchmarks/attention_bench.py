@@ -8,6 +8,9 @@ rows (BATCH sequences of START tokens) through the paged decode kernel. SmolLM2'
     python benchmarks/attention_bench.py --start 768 --new 256    # a chunked-prefill chunk
     python benchmarks/attention_bench.py --start 1000 --batch 1 --layers 30   # decode over 30 layers'
                                               # caches: DRAM-resident, as in a model's decode step
+    python benchmarks/attention_bench.py --start 3840 --new 256 --heads 24 --kv-heads 8 --head-dim 128
+                                              # the last chunk of a 4k prompt on a Llama-3.2-3B shape
+On the amx variant the prompt chunk also runs on AMX tiles (amx_kernel).
 """
 import argparse
 import json
@@ -59,8 +62,12 @@ def gather_sdpa():
     return _attend(q[None], k, v, scale, mask[None, None])[0]
 
 
-def context_kernel():
-    return kernels.paged_context_attention(q, kc, vc, table, a.start, scale)
+def context_kernel():  # the FMA kernel (context_attention.cpp), whatever the variant
+    return torch.ops.tokenmill.paged_context_attention(q, kc, vc, table, a.start, scale, 0)
+
+
+def amx_kernel():  # both products on AMX tiles (amx_attention.cpp; the amx variant only)
+    return torch.ops.tokenmill.amx_context_attention(q, kc, vc, table, a.start, scale, 0)
 
 
 dw = -(-a.start // bs)
@@ -91,11 +98,17 @@ assert (gather_sdpa() - context_kernel()).abs().max() < 1e-4
 chunk_flop = 4 * a.new * a.heads * d * (a.start + (a.new + 1) / 2)
 decode_flop = 4 * a.batch * a.heads * d * a.start * a.layers
 row = {"start": a.start, "new": a.new, "batch": a.batch, "layers": a.layers}
-for name, fn, flop in (("gather_sdpa", gather_sdpa, chunk_flop), ("context_kernel", context_kernel, chunk_flop),
-                       ("decode_kernel", decode_kernel, decode_flop)):
+runs = [("gather_sdpa", gather_sdpa, chunk_flop), ("context_kernel", context_kernel, chunk_flop)]
+if a.start:  # decode rows over START cached tokens
+    runs.append(("decode_kernel", decode_kernel, decode_flop))
+if kernels.amx():
+    assert (gather_sdpa() - amx_kernel()).abs().max() < 5e-2  # Q, K, V, P rounded to bfloat16
+    runs.insert(2, ("amx_kernel", amx_kernel, chunk_flop))
+for name, fn, flop in runs:
     t = timed(fn)
     row[f"{name}_us"] = round(t * 1e6, 1)
     row[f"{name}_gflops"] = round(flop / t / 1e9, 1)
-kv_bytes = 2 * a.batch * a.start * a.kv_heads * d * kc.element_size() * a.layers  # K and V rows read
-row["decode_kernel_kv_GBps"] = round(kv_bytes / (row["decode_kernel_us"] * 1e-6) / 1e9, 1)
+if a.start:
+    kv_bytes = 2 * a.batch * a.start * a.kv_heads * d * kc.element_size() * a.layers  # K and V rows read
+    row["decode_kernel_kv_GBps"] = round(kv_bytes / (row["decode_kernel_us"] * 1e-6) / 1e9, 1)
 print(json.dumps(row))

@@ -42,10 +42,11 @@ def save_perturbed(model, path: str) -> str:
 
 @pytest.fixture
 def integer_kernels(monkeypatch):
-    """The integer (VNNI) kernels for every row count, in this process and the workers it starts:
-    on the amx variant, products of many rows would otherwise run on AMX tiles in bfloat16
-    (tests/test_amx.py checks those), which tests of exact integer products, or of TP=N giving
-    TP=1's bits (a row-parallel rank's float64 partial sums stay on the integer kernels), exclude."""
+    """The integer (VNNI) kernels and the float32 attention for every row count, in this process and
+    the workers it starts: on the amx variant, products and prompt attention of many rows would
+    otherwise run on AMX tiles in bfloat16 (tests/test_amx.py checks those), which tests of exact
+    integer products, of float32-level attention, or of TP=N giving TP=1's bits (a row-parallel
+    rank's float64 partial sums stay on the integer kernels), exclude."""
     from tokenmill import kernels
     monkeypatch.setenv(kernels.AMX_ENV, "0")
     monkeypatch.setitem(kernels.AMX, "min_rows", 0)

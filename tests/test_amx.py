@@ -1,6 +1,8 @@
 """Prompt chunks on AMX tiles (kernels/amx.cpp): every format with a tile decoder gives the product
 of x and the file's weights both rounded to bfloat16 (float32 sums), and the integer kernels' product
 within that rounding; the many-row products of the layers take that path from AMX_MIN_ROWS rows.
+A prompt chunk's attention (kernels/amx_attention.cpp) gives attention over Q, K, V rounded to
+bfloat16 within the rounding of P, and the float32 kernel's within bfloat16's.
 Runs where the CPU has AMX (the `amx` variant loads); elsewhere it skips, saying why."""
 from __future__ import annotations
 
@@ -80,6 +82,63 @@ def test_layers_take_the_tiles_from_the_threshold(amx):
     assert not torch.equal(w.matmul(few), _tile_product(w, few))  # decode batches: the integer kernels
     # a row-parallel rank's float64 partial sums stay on the integer kernels (TP=N gives TP=1's bits)
     assert w.matmul(x, partial=True).dtype == torch.float64
+
+
+LOG2E = 1.4426950408889634
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("start,n,bs,hq,hkv,d", [
+    (0, 37, 16, 9, 3, 64),       # SmolLM2's heads, a fresh prompt: causal only; a partial row block
+    (1008, 48, 16, 9, 3, 64),    # a chunk after 1,000 cached tokens
+    (100, 200, 16, 24, 8, 128),  # Llama-3.2-3B's heads; several query tiles per head
+    (250, 33, 8, 14, 2, 64),     # Qwen2.5-0.5B's grouping (7 per KV head); short blocks
+    (7, 64, 32, 16, 1, 32),      # 16 query heads per KV head, 32-wide heads, blocks longer than a step
+])
+@pytest.mark.parametrize("window", [0, 9, 100])
+def test_context_attention_on_tiles(amx, start, n, bs, hq, hkv, d, dtype, window):
+    from tokenmill.layers.attention import _attend, gather_blocks
+    g = torch.Generator().manual_seed(start + n + d)
+    width = -(-(start + n) // bs)
+    kc = torch.randn(width + 6, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(width + 6, bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(width + 6, generator=g)[:width]
+    q = 2 * torch.randn(n, hq, d, generator=g)  # sharper than unit scores: P's rounding shows
+    scale = d ** -0.5
+    q_pos = torch.arange(start, start + n)[:, None]
+    mask = torch.arange(width * bs)[None, :] <= q_pos
+    if window:
+        mask &= torch.arange(width * bs)[None, :] > q_pos - window
+    k, v = gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float()
+    exact = _attend(q[None].double(), k.double(), v.double(), scale, mask[None, None])[0]
+    # the tiles' operands: Q scaled into log2 units, K and V, each rounded to bfloat16
+    qb = (q.double() * scale * LOG2E).bfloat16().double() / LOG2E
+    rounded = _attend(qb[None], k.bfloat16().double(), v.bfloat16().double(), 1.0, mask[None, None])[0]
+    if window:  # blocks wholly before the first query's window are never read
+        table = table.clone()
+        table[:max(0, start - window + 1) // bs] = -1
+    got = torch.ops.tokenmill.amx_context_attention(q, kc, vc, table, start, scale, window)
+    assert got.shape == q.shape and got.dtype == torch.float32
+    assert (got.double() - rounded).abs().max() < 1.5e-2  # P in bfloat16 (8-bit mantissa)
+    assert (got.double() - exact).abs().max() < 6e-2
+    assert (got.double() - exact).abs().mean() < 4e-3
+    with pytest.raises(RuntimeError, match="does not cover"):
+        torch.ops.tokenmill.amx_context_attention(q, kc, vc, table[:-1], start, scale, window)
+
+
+@needs_amx
+def test_prompt_chunks_attend_on_tiles_from_the_threshold(amx):
+    kc, vc = torch.randn(20, 16, 2, 64).half(), torch.randn(20, 16, 2, 64).half()
+    table = torch.arange(20)
+    rows = kernels.AMX_MIN_ROWS
+    q = torch.randn(rows, 8, 64)
+    tiles = torch.ops.tokenmill.amx_context_attention(q, kc, vc, table, 100, 0.125, 0)
+    assert torch.equal(kernels.paged_context_attention(q, kc, vc, table, 100, 0.125), tiles)
+    few = q[: rows - 1]
+    fma = torch.ops.tokenmill.paged_context_attention(few, kc, vc, table, 100, 0.125, 0)
+    assert torch.equal(kernels.paged_context_attention(few, kc, vc, table, 100, 0.125), fma)
+    assert not torch.equal(fma, tiles[: rows - 1])
 
 
 def test_amx_variant_is_refused_where_the_cpu_lacks_it():

@@ -203,7 +203,8 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
     (5, 1, 16, 4, 2, 16),       # one query
 ])
 @pytest.mark.parametrize("window", [0, 9, 40])
-def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype, window):
+def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype, window,
+                                                        integer_kernels):
     from tokenmill.layers.attention import _attend, gather_blocks
     g = torch.Generator().manual_seed(start + n)
     width = -(-(start + n) // bs)

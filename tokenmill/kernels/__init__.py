@@ -160,8 +160,10 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """One sequence's prompt chunk over its cached context: q (T, Hq, D) at positions start..start+T-1,
     whose K/V are already in the cache; block_table (W,) int64 -> (T, Hq, D), causal (and within
     `window` positions when window > 0)."""
-    return torch.ops.tokenmill.paged_context_attention(q.contiguous(), k_cache, v_cache, block_table, start, scale,
-                                                       window)
+    q = q.contiguous()
+    if AMX["min_rows"] and q.shape[0] >= AMX["min_rows"] and q.shape[2] % 32 == 0:  # both products on tiles
+        return torch.ops.tokenmill.amx_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
+    return torch.ops.tokenmill.paged_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
 
 
 def usable_for(x: torch.Tensor) -> bool:

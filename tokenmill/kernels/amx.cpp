@@ -18,10 +18,11 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx.h"
 #include "dot.h"
 
 namespace tokenmill {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(TOKENMILL_DOT512)
+#ifdef TOKENMILL_AMX
 namespace {
 
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -38,19 +39,7 @@ const std::string& tile_status() {
   return status;
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0-3: the 2 x 2 float32 accumulators; tmm4-5: two 16-row blocks of x; tmm6-7: two panels' weights.
-// Every tile is 16 rows of 64 bytes (16 float32, or 32 bfloat16 = 16 pairs).
-void configure_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-  _tile_loadconfig(&c);
-}
 
 // One block of 32 inputs of one panel, as 32 vectors of its 16 outputs' weights: w[k][lane].
 // The decoders below read the panels' byte layouts (linear.cpp, kquant.cpp).
@@ -150,13 +139,7 @@ struct LutDecoder {
 // w[32] (input k, 16 outputs) -> one weight tile: row t holds the pairs (w[2t][i], w[2t+1][i]) of
 // every output i, the layout TDPBF16PS reads.
 inline void to_tile(const v16f* w, uint16_t* tile) {
-  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(order);
-  for (int t = 0; t < 16; ++t) {
-    const __m512bh both = _mm512_cvtne2ps_pbh(w[2 * t + 1], w[2 * t]);  // low half: w[2t]
-    _mm512_store_si512(tile + t * 32, _mm512_permutexvar_epi16(idx, reinterpret_cast<const __m512i&>(both)));
-  }
+  for (int t = 0; t < 16; ++t) _mm512_store_si512(tile + t * 32, pairs_bf16(w[2 * t], w[2 * t + 1]));
 }
 
 constexpr int64_t kTileWords = 16 * 32;  // one weight tile: 16 rows of 32 bfloat16
@@ -242,10 +225,8 @@ void to_bf16(const at::Tensor& x, at::Tensor& xb, int64_t Mp) {
         std::memset(d, 0, K * 2);
         continue;
       }
-      for (int64_t k = 0; k < K; k += 32) {
-        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + r * K + k + 16), _mm512_loadu_ps(src + r * K + k));
-        _mm512_storeu_si512(d + k, reinterpret_cast<const __m512i&>(v));
-      }
+      for (int64_t k = 0; k < K; k += 32)
+        _mm512_storeu_si512(d + k, row_bf16(_mm512_loadu_ps(src + r * K + k), _mm512_loadu_ps(src + r * K + k + 16)));
     }
   });
 }
@@ -346,14 +327,14 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, co
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(TOKENMILL_DOT512)
+#ifdef TOKENMILL_AMX
   m.def("amx_status", &tokenmill::amx_status);
   m.def("amx_linear(Tensor x, int kind, Tensor a, Tensor? b, Tensor? c, Tensor? d, int N) -> Tensor");
 #endif
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(TOKENMILL_DOT512)
+#ifdef TOKENMILL_AMX
   m.impl("amx_linear", &tokenmill::amx_linear);
 #endif
 }

@@ -26,6 +26,37 @@ inline __m256 load_kv8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_kv8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
+#if defined(__AVX512F__)
+// r[i][j] -> r[j][i] for a 16 x 16 block of 32-bit elements in registers (64 shuffles): the context
+// kernel's key transpose, and the AMX one's (bfloat16 pairs as 32-bit words).
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of single elements
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks: pairs
+    const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
+    const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int i = 0; i < 8; i += 4)  // 128-bit lanes, across rows 4 apart
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[2 * i + j], r[2 * i + j + 4], 0x88);
+      t[i + j + 8] = _mm512_shuffle_f32x4(r[2 * i + j], r[2 * i + j + 4], 0xdd);
+    }
+  for (int j = 0; j < 4; ++j) {  // 128-bit lanes, across rows 8 apart
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 4], 0x88);
+    r[j + 4] = _mm512_shuffle_f32x4(t[j + 8], t[j + 12], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 4], 0xdd);
+    r[j + 12] = _mm512_shuffle_f32x4(t[j + 8], t[j + 12], 0xdd);
+  }
+}
+#endif
+
 constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256;
 
 // A sliding-window layer (window > 0) starts at position len - window: the blocks before it are

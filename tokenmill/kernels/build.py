@@ -30,8 +30,9 @@ logger = logging.getLogger("tokenmill.kernels")
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = [HERE / f for f in ("linear.cpp", "dot_linear.cpp", "kquant.cpp", "lut.cpp", "attention.cpp",
-                              "context_attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp", "amx.cpp")]
-HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h")]
+                              "context_attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp", "amx.cpp",
+                              "amx_attention.cpp")]
+HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h", "amx.h")]
 
 _AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt")
 _AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")

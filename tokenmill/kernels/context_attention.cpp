@@ -201,37 +201,15 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* skip, const int64_t
 #endif
 
 // kt[d * kChunk + t] = key t's element d, widened; zero past the chunk's end (null rows). AVX-512:
-// 16 x 16 tiles transposed in registers (64 shuffles each) instead of 16 x D scalar moves per tile.
+// 16 x 16 tiles transposed in registers (transpose16) instead of 16 x D scalar moves per tile.
 template <typename T>
 void transpose_keys(const T* const* krow, int64_t D, float* kt) {
 #if defined(__AVX512F__)
   for (int64_t tb = 0; tb < kChunk; tb += kLanes)
     for (int64_t db = 0; db < D; db += kLanes) {
-      __m512 r[16], t[16];
+      __m512 r[16];
       for (int i = 0; i < 16; ++i) r[i] = krow[tb + i] ? __m512(load_kv(krow[tb + i] + db)) : _mm512_setzero_ps();
-      for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of single floats
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-      }
-      for (int i = 0; i < 16; i += 4) {  // 4 x 4 blocks: pairs of floats
-        const __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]);
-        const __m512d c = _mm512_castps_pd(t[i + 2]), d = _mm512_castps_pd(t[i + 3]);
-        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-      }
-      for (int i = 0; i < 8; i += 4)  // 128-bit lanes, across rows 4 apart
-        for (int j = 0; j < 4; ++j) {
-          t[i + j] = _mm512_shuffle_f32x4(r[2 * i + j], r[2 * i + j + 4], 0x88);
-          t[i + j + 8] = _mm512_shuffle_f32x4(r[2 * i + j], r[2 * i + j + 4], 0xdd);
-        }
-      for (int j = 0; j < 4; ++j) {  // 128-bit lanes, across rows 8 apart
-        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 4], 0x88);
-        r[j + 4] = _mm512_shuffle_f32x4(t[j + 8], t[j + 12], 0x88);
-        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 4], 0xdd);
-        r[j + 12] = _mm512_shuffle_f32x4(t[j + 8], t[j + 12], 0xdd);
-      }
+      transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (db + j) * kChunk + tb, r[j]);
     }
 #elif defined(__AVX2__)
