@@ -159,3 +159,57 @@ def test_same_prefix_requests_wait_for_the_blocks_being_computed():
     assert [(e.req_id, e.start_pos, len(e.token_ids)) for e in out.scheduled] == [("r0", 8, 6), ("r1", 8, 2)]
     assert b.metrics.num_cached_tokens == 8 and bm.num_hits == 8 and bm.num_queries == 14 + 14
     bm.check_integrity(list(s.requests.values()))
+
+
+def _timed_step(s, seconds):
+    """A step whose forward pass took `seconds` (the runner's timing, as the pacer reads it), or
+    seconds(prompt tokens in the step)."""
+    from tokenmill.core.sched_output import StepTiming
+    out = s.schedule()
+    prompt = sum(len(e.token_ids) for e in out.scheduled if len(e.token_ids) > 1)
+    s.update(out, RunnerOutput(sampled={e.req_id: [7] for e in out.scheduled if e.sample},
+                               timing=StepTiming(seconds(prompt) if callable(seconds) else seconds, 0)))
+    return out
+
+
+def test_long_prompts_are_paced_beside_decoders_by_step_time():
+    from tokenmill.core.pacing import MIN_CHUNK
+    bm = BlockManager(512, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(8, 256, 4000, long_prefill_slowdown=2.5), bm)
+    a = add(s, 0, 8)
+    _timed_step(s, 0.3)                      # a's prompt
+    for _ in range(3):
+        _timed_step(s, 0.2)                  # decode-only steps: 0.2 s each
+    assert s.pacer.decode_s == 0.2
+    add(s, 1, 1000)                          # a long prompt arrives while a decodes
+    sizes = []
+    for _ in range(6):
+        out = _timed_step(s, lambda prompt: 0.2 + 0.004 * prompt)  # 4 ms per prompt token
+        sizes.append(next(len(e.token_ids) for e in out.scheduled if e.req_id == "r1"))
+        assert any(e.req_id == "r0" and len(e.token_ids) == 1 for e in out.scheduled)  # a keeps decoding
+    # first a small chunk (nothing timed yet), then (2.5 - 1) x 0.2 s / 4 ms = 75 tokens a step
+    assert sizes[0] == MIN_CHUNK and sizes[1:] == [75] * 5
+    a.params = SamplingParams(max_tokens=1)  # a ends: the long prompt takes the whole budget again
+    s.finish_request("r0", "length")
+    out = _timed_step(s, 1.0)
+    assert [len(e.token_ids) for e in out.scheduled] == [256]
+
+
+def test_prompts_within_the_budget_and_unpaced_configs_take_the_budget():
+    bm = BlockManager(512, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(8, 64, 4000, long_prefill_slowdown=3), bm)
+    add(s, 0, 8)
+    _timed_step(s, 0.3)
+    _timed_step(s, 0.2)
+    add(s, 1, 60)                            # within the budget: admitted whole beside the decoder
+    out = _timed_step(s, 0.5)
+    assert sorted(len(e.token_ids) for e in out.scheduled) == [1, 60]
+    s2, _ = make(budget=64)                  # pacing off (the core's default): chunks of the budget
+    add(s2, 0, 8)
+    run_step(s2)
+    add(s2, 1, 200)
+    out = run_step(s2)
+    assert sorted(len(e.token_ids) for e in out.scheduled) == [1, 63]
+    import pytest
+    with pytest.raises(ValueError, match="long_prefill_slowdown"):
+        SchedulerConfig(long_prefill_slowdown=0.5)

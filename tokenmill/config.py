@@ -101,6 +101,10 @@ class SchedulingConfig:
     max_num_batched_tokens: int = field(default=256, metadata=_help(
         "token budget of one engine step; long prompts are chunked to fit. Smaller chunks keep running "
         "decodes flowing while a long prompt is prefilled (benchmarks/decode_stall.py measures the choice)"))
+    long_prefill_slowdown: float = field(default=3.0, metadata=_help(
+        "while requests decode, a prompt longer than the token budget is chunked so that a step lasts about "
+        "this many decode-only steps (chunk sizes follow measured step times); 0: its chunks take the whole "
+        "budget"))
     scheduling_policy: str = field(default="fcfs", metadata=_help(
         "fcfs | priority (requests with a lower `priority` value go first)"))
     speculative_config: SpeculativeConfig | dict | str | None = field(default=None, metadata=_help(
@@ -110,6 +114,9 @@ class SchedulingConfig:
         "README: Speculative decoding"))
 
     def __post_init__(self) -> None:
+        if self.long_prefill_slowdown != 0 and not 1 < self.long_prefill_slowdown < float("inf"):
+            raise ValueError(f"long_prefill_slowdown must be 0 (off) or a number above 1, got "
+                             f"{self.long_prefill_slowdown}.")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import time
 
 from tokenmill.core.block_manager import BlockManager
+from tokenmill.core.pacing import PrefillPacer
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import NewRequest, RunnerOutput, ScheduledRequest, SchedulerOutput, StepStats
 from tokenmill.core.speculation import DraftPolicy
@@ -38,6 +39,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     policy: str = "fcfs"  # or "priority"
     sliding_window: int | None = None  # every layer's window: blocks before it are given back
+    long_prefill_slowdown: float = 0.0  # > 1: long prompts paced beside decoders (pacing.py); 0: off
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -46,6 +48,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+        if self.long_prefill_slowdown != 0 and not 1 < self.long_prefill_slowdown < float("inf"):
+            raise ValueError(f"long_prefill_slowdown must be 0 or above 1, got {self.long_prefill_slowdown}.")
 
 
 class Scheduler:
@@ -54,6 +58,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.draft_policy = draft_policy  # None: no speculative decoding
+        self.pacer = PrefillPacer(config.long_prefill_slowdown) if config.long_prefill_slowdown else None
+        self._long_room: int | None = None  # this step's prompt tokens left for long prompts (None: no limit)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -111,10 +117,14 @@ class Scheduler:
         self._finished_ids = []
         scheduled: dict[str, ScheduledRequest] = {}
         budget = self.config.max_num_batched_tokens
+        self._long_room = self._paced_room()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._paced(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new == 0:  # a long prompt waiting for the next step's room
+                i += 1
+                continue
             drafts = req.draft_token_ids[:budget - num_new] if num_new == 1 else []
             while not self.block_manager.allocate(req, req.num_computed_tokens + num_new + len(drafts)):
                 if drafts:  # drafts go first, before anyone is preempted
@@ -144,6 +154,21 @@ class Scheduler:
                     entry.num_propose = self.draft_policy.num_propose(self.requests[entry.req_id], len(self.running))
         return out
 
+    def _paced_room(self) -> int | None:
+        """Prompt tokens long prompts may take this step: the pacer's chunk while anyone decodes."""
+        if self.pacer is None or not any(r.num_tokens - r.num_computed_tokens == 1 for r in self.running):
+            return None
+        return self.pacer.chunk(self.config.max_num_batched_tokens)
+
+    def _paced(self, req: Request, num_new: int) -> int:
+        """num_new, cut to this step's room for long prompts if req is one (longer than the token
+        budget) and is prefilling; the room shrinks by what it takes."""
+        if self._long_room is None or num_new <= 1 or req.num_tokens <= self.config.max_num_batched_tokens:
+            return num_new
+        num_new = min(num_new, self._long_room)
+        self._long_room -= num_new
+        return num_new
+
     def _admit(self, budget: int, scheduled: dict[str, ScheduledRequest], out: SchedulerOutput) -> int:
         """Waiting requests join in policy order while budget, seats and blocks last. A request
         whose first block is being prefilled right now (by a running request, or one admitted in
@@ -162,7 +187,9 @@ class Scheduler:
             if not cached and req.num_tokens > bm.block_size and head in in_flight:
                 continue
             num_cached = len(cached) * bm.block_size
-            num_new = min(req.num_tokens - num_cached, budget)
+            num_new = self._paced(req, min(req.num_tokens - num_cached, budget))
+            if num_new == 0:
+                continue
             if not bm.allocate(req, num_cached + num_new, cached):
                 break
             self.waiting.remove(req)
@@ -223,6 +250,9 @@ class Scheduler:
         self._lookups = (queries, hits)
         if self.draft_policy is not None and result.timing is not None:
             self.draft_policy.observe_timing(result.timing)
+        if self.pacer is not None and result.timing is not None:
+            fed = [len(e.token_ids) - e.num_drafts for e in sched.scheduled]
+            self.pacer.observe(fed.count(1), sum(f for f in fed if f > 1), result.timing.step_s)
         advanced = []
         for entry in sched.scheduled:
             req = self.requests.get(entry.req_id)

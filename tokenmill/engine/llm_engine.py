@@ -124,7 +124,8 @@ class LLMEngine:
         # no block is given back early
         window = self.arch.sliding_window if draft is None else None
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
-                                                   sc.scheduling_policy, window), self.block_manager, policy)
+                                                   sc.scheduling_policy, window, sc.long_prefill_slowdown),
+                                   self.block_manager, policy)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.output = OutputProcessor(self.tokenizer, self.scheduler)
         self.kv_capacity_tokens = num_blocks * cc.block_size
