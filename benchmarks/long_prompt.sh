@@ -14,7 +14,7 @@ SETTINGS=${SETTINGS:-default}
 out=$RESULTS/long_prompt.jsonl; : > "$out"
 LONG=$SHARED/data/wikitext-2/test.txt
 run() { "$PY" "$HERE/decode_stall.py" --base-url "$1" --model-name m --long-prompt-file "$LONG" --long-words "$WORDS" \
-          --max-tokens 400 --delay 10 --label "$2" | tee -a "$out"; }
+          --max-tokens 400 --delay "${DELAY:-20}" --label "$2" | tee -a "$out"; }
 for setting in $SETTINGS; do
   extra=(); [ "$setting" = default ] || extra=("--${setting%%=*}" "${setting#*=}")
   "$TM" --log-level WARNING serve --model "$FILE" --port 8020 --served-model-name m --kv-cache-memory 3GiB \

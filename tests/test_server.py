@@ -126,6 +126,10 @@ def test_stop_strings_never_leak(client):
 @pytest.mark.parametrize("content", ["한국어로 자기소개를 해 주세요.", "Reply with three emoji about the sea 🌊"])
 def test_korean_and_emoji_streams_are_clean(client, content):
     msgs = [{"role": "user", "content": content}]
+    # the prompt once first, so both requests compared find it cached and compute its last rows alike:
+    # on AMX CPUs a whole prompt's chunk runs in bfloat16 on tiles and a cached prompt's short tail on
+    # the integer kernels, which may move a close greedy choice (README, the amx variant)
+    client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=1)
     full = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40)
     chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=40, stream=True))
     deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]

@@ -81,8 +81,8 @@ class CacheConfig:
         "reuse the KV blocks of prompts that share a prefix with earlier ones"))
     kv_cache_dtype: str = field(default="auto", metadata=_help(
         "auto | float32 | float16 | bfloat16: what K/V are stored as. auto: float16 on CPU (decode attention "
-        "reads half the bytes; attention always sees K/V as stored, so results do not depend on caching), "
-        "the model's dtype on CUDA"))
+        "reads half the bytes; attention always sees K/V as stored, so a cached prefix reads what a computed "
+        "one would), the model's dtype on CUDA"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
