@@ -51,14 +51,14 @@ SUFFIX=$([ "$ISA" = native ] || echo "-$ISA")  # results files of a pinned ISA: 
 # llama.cpp's server and llama-bench, from the llama.cpp sources vendored in the llama-cpp-python sdist
 build_llamacpp() {
   [ -x "$LLAMA_BUILD/bin/llama-server" ] && [ -x "$LLAMA_BUILD/bin/llama-bench" ] &&
-    [ -x "$LLAMA_BUILD/bin/llama-quantize" ] && return
+    [ -x "$LLAMA_BUILD/bin/llama-quantize" ] && [ -x "$LLAMA_BUILD/bin/llama-batched-bench" ] && return
   [ -f "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" ] ||
     "$PY" -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_VERSION" -d "$PEERS/dl"
   mkdir -p "$PEERS/src" && tar xzf "$PEERS/dl/llama_cpp_python-$LLAMA_VERSION.tar.gz" -C "$PEERS/src"
   cmake -S "$PEERS/src/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" -B "$LLAMA_BUILD" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release "${GGML_ISA[@]}" -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF
-  cmake --build "$LLAMA_BUILD" -j 2 --target llama-server llama-bench llama-quantize
+  cmake --build "$LLAMA_BUILD" -j 2 --target llama-server llama-bench llama-quantize llama-batched-bench
 }
 
 wait_health() {  # url [seconds, default 150]

@@ -9,6 +9,7 @@ measured step also prefills a new N-token prompt: the mixed steps of a loaded se
     python benchmarks/profile_decode.py --batch 1 --prompt 32 --steps 100 --activation-bits 8 --split
 """
 import argparse
+import json
 import time
 
 from torch.profiler import ProfilerActivity, profile
@@ -16,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 from tokenmill import LLM, SamplingParams
 
 ap = argparse.ArgumentParser()
+ap.add_argument("--model", default=None, help="a model file or folder (default: the default model)")
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--prompt", type=int, default=32)
 ap.add_argument("--steps", type=int, default=20)
@@ -24,11 +26,12 @@ ap.add_argument("--quantization", default="auto")
 ap.add_argument("--kv-cache-dtype", default="auto")
 ap.add_argument("--activation-bits", type=int, default=16)
 ap.add_argument("--no-profile", action="store_true", help="time the steps only")
+ap.add_argument("--json", action="store_true", help="also one JSON line with the step time (decode_batch.sh)")
 ap.add_argument("--split", action="store_true",
                 help="instead of the profiler: a step's time in the decode stack, the output head, sampling")
 a = ap.parse_args()
 
-llm = LLM(kv_cache_memory="1GiB", quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
+llm = LLM(a.model, kv_cache_memory="1GiB", quantization=a.quantization, kv_cache_dtype=a.kv_cache_dtype,
           activation_bits=a.activation_bits)
 engine = llm.engine
 for i in range(a.batch):
@@ -57,6 +60,9 @@ for _ in range(a.steps):
 dt = (time.perf_counter() - t0) / a.steps
 print(f"batch {a.batch}, context ~{a.prompt}, new prompt tokens per step {a.chunk}: {dt * 1000:.1f} ms/step "
       f"= {a.batch / dt:.1f} decode tokens/s")
+if a.json:
+    print(json.dumps({"batch": a.batch, "prompt": a.prompt, "chunk": a.chunk, "ms_per_step": round(dt * 1000, 2),
+                      "decode_tok_s": round(a.batch / dt, 1)}))
 if a.split:  # wall time per step in each part, by wrapping the engine's calls
     parts: dict[str, float] = {}
 

@@ -1,6 +1,6 @@
 """Prompt chunks on AMX tiles (kernels/amx.cpp): every format with a tile decoder gives the product
 of x and the file's weights both rounded to bfloat16 (float32 sums), and the integer kernels' product
-within that rounding; the many-row products of the layers take that path from AMX_MIN_ROWS rows.
+within that rounding; the many-row products of the layers and of the decode stack take that path from kernels.amx_rows rows.
 A prompt chunk's attention (kernels/amx_attention.cpp) gives attention over Q, K, V rounded to
 bfloat16 within the rounding of P, and the float32 kernel's within bfloat16's.
 Runs where the CPU has AMX (the `amx` variant loads); elsewhere it skips, saying why."""
@@ -75,13 +75,43 @@ def test_int4_and_int8_checkpoints_run_on_tiles(amx, group, integer_kernels):
 def test_layers_take_the_tiles_from_the_threshold(amx):
     raw = random_blocks(np.random.default_rng(0), 64, 512, "Q4_K")
     w = kquant.from_blocks("Q4_K", 64, 512, lambda a, b: raw[a:b])
-    rows = kernels.AMX_MIN_ROWS
+    assert kernels.amx_rows(4096, 1024) == kernels.AMX_MIN_ROWS
+    rows = kernels.amx_rows(64, 512)  # a small product: from more rows, where a call's fixed costs weigh more
+    assert rows == max(kernels.AMX_MIN_ROWS, kernels.AMX_SMALL[1])
     x = torch.randn(rows, 512)
     assert torch.equal(w.matmul(x), _tile_product(w, x))  # a prompt chunk: the tiles
     few = x[: rows - 1]
     assert not torch.equal(w.matmul(few), _tile_product(w, few))  # decode batches: the integer kernels
     # a row-parallel rank's float64 partial sums stay on the integer kernels (TP=N gives TP=1's bits)
     assert w.matmul(x, partial=True).dtype == torch.float64
+
+
+@needs_amx
+def test_decode_steps_of_many_sequences_take_the_tiles(amx, tiny_llama, monkeypatch):
+    """The native decode stack sends a step's products to the tiles from the rows Linear does, so
+    both still give the same bits; with the tiles off the same steps give other bits."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(tiny_llama, quantization="int4", quantization_group_size=32, kv_cache_memory="16MiB",
+              enable_prefix_caching=False, skip_tokenizer_init=True)
+    model = llm.engine.runner.model
+    prompts = [{"prompt_token_ids": [5 + i, 7 + 2 * i, 3]} for i in range(max(kernels.AMX_MIN_ROWS, kernels.AMX_SMALL[1]))]
+    sp = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+
+    def run() -> list[list[float]]:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        return [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    assert model.decode_stack is not None
+    tiles = run()
+    stack, model.decode_stack = model.decode_stack, None
+    assert run() == tiles  # the Python layers: the same rows on the tiles
+    monkeypatch.setitem(kernels.AMX, "min_rows", 0)
+    assert run() != tiles  # the integer kernels
+    stack.set_amx_rows(0, 0, 0)
+    model.decode_stack = stack
+    integer = run()
+    model.decode_stack = None
+    assert run() == integer
 
 
 LOG2E = 1.4426950408889634

@@ -25,9 +25,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*extra: str, env_key: str | None = None, port: int | None = None):
+def start_server(*extra: str, env_key: str | None = None, port: int | None = None, env_extra: dict | None = None):
     port = port or free_port()
-    env = dict(os.environ)
+    env = {**os.environ, **(env_extra or {})}
     if env_key:
         env["TOKENMILL_API_KEY"] = env_key
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", "--port",
@@ -163,7 +163,18 @@ def test_tokenize_detokenize_and_models(server, client):
 
 
 # ---------------------------------------------------------------- concurrency
-def test_32_concurrent_streams_equal_their_solo_results(server, client):
+@pytest.fixture(scope="module")
+def integer_client():
+    """A server on the integer kernels (TOKENMILL_AMX=0), whose results do not depend on the batch:
+    on the amx variant, steps of many sequences and prompt chunks run on tiles in bfloat16 (README)."""
+    proc, base = start_server(env_extra={"TOKENMILL_AMX": "0"})
+    yield openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120), base
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+
+
+def test_32_concurrent_streams_equal_their_solo_results(integer_client):
+    client, server = integer_client
     prompts = [f"Write one sentence about the number {i}." for i in range(32)]
 
     def solo(p):

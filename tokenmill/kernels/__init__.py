@@ -23,16 +23,17 @@ import threading
 import torch
 
 from . import build
-from .panels import (AMX, LANES, PACK_ROWS, Int4Panels, Int8Panels, LutPanels, Q4KPanels, Q6KPanels, StackKind,  # noqa: F401
-                     _panels, fifth_bit_panels, int4_dot_panels, int4_linear, int8_dot_panels, int8_linear,
+from .panels import (AMX, AMX_SMALL, LANES, PACK_ROWS, Int4Panels, Int8Panels, LutPanels, Q4KPanels, Q6KPanels, StackKind,  # noqa: F401
+                     _panels, amx_rows, fifth_bit_panels, int4_dot_panels, int4_linear, int8_dot_panels, int8_linear,
                      lut_linear, per_panel, q4k_linear, q6k_linear, unpack_int8, _pad_rows)
 
 logger = logging.getLogger(__name__)
 
 ACT_BITS = (8, 16)  # activation integer widths of the dot layout
-# Rows from which a product runs on AMX tiles (amx variant): below it the VNNI kernels are faster
-# (benchmarks/kernel_bench.py --amx measures the crossover)
-AMX_MIN_ROWS = 32
+# Rows from which a product (panels.amx_rows: more for small ones) and a prompt chunk's attention run
+# on AMX tiles (amx variant): below it the integer and FMA kernels are faster (benchmarks/kernel_bench.py,
+# decode_batch.py and attention_bench.py measure the crossovers)
+AMX_MIN_ROWS = 12
 AMX_ENV = "TOKENMILL_AMX"  # "0": prompt chunks stay on the integer kernels (comparisons, TP=N's bits)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": result of the one attempt to build/load; "isa", "dot"

@@ -13,6 +13,10 @@ namespace tokenmill {
 // "" once this process holds AMX tile state (asked of the OS once, amx.cpp), else why it does not.
 std::string amx_status();
 
+// x (M, K) float32 times a dot-layout weight (amx.cpp; the decode stack's projections call it too).
+at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, const c10::optional<at::Tensor>& b,
+                      const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& d, int64_t N);
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};

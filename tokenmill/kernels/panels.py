@@ -31,17 +31,28 @@ class StackKind(enum.IntEnum):
     LUT = 8
 
 
-# Prompt chunks on AMX tiles (amx.cpp, the `amx` variant): products of at least this many rows run
-# there, bfloat16 activations against weights decoded per tile; fewer rows (decode) keep the integer
-# kernels. 0: off (another variant, or the OS refused tile state). Set by tokenmill.kernels on load.
+# Products on AMX tiles (amx.cpp, the `amx` variant), bfloat16 activations against weights decoded
+# per tile: decoding costs per weight and per call whatever the rows, the integer kernels' cost grows
+# with the rows, so from "min_rows" rows (prompt chunks, steps of many sequences) the tiles are
+# faster. Products of fewer than AMX_SMALL[0] weights, where a call's fixed costs weigh more, take
+# them from AMX_SMALL[1] rows. 0: off (another variant, or the OS refused tile state). Set by
+# tokenmill.kernels on load; benchmarks/kernel_bench.py and decode_batch.py measure the crossovers.
 AMX = {"min_rows": 0}
+AMX_SMALL = (1 << 22, 16)
 AMX_KINDS = frozenset({StackKind.INT4_DOT, StackKind.INT8_DOT, StackKind.Q4K, StackKind.Q6K, StackKind.LUT})
+
+
+def amx_rows(n: int, k: int) -> int:
+    """The rows from which an (n out, k in) product runs on AMX tiles; 0: never (stack.cpp's AmxRows)."""
+    rows = AMX["min_rows"]
+    return max(rows, AMX_SMALL[1]) if rows and n * k < AMX_SMALL[0] else rows
 
 
 def _amx(x2: torch.Tensor, w: "_Panels", partial: bool) -> torch.Tensor | None:
     """The AMX product of x2 (M, K) float32, or None where it does not apply (too few rows, a
     row-parallel rank's float64 partial sums, a format without a tile decoder)."""
-    if partial or not AMX["min_rows"] or x2.shape[0] < AMX["min_rows"]:
+    rows = amx_rows(w.out_features, x2.shape[1])
+    if partial or not rows or x2.shape[0] < rows:
         return None
     kind, tensors = w.stack_args()
     if kind not in AMX_KINDS:

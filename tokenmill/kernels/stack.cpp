@@ -10,9 +10,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
+#include "amx.h"
 #include "ops.h"
 #include "shm.h"
 
@@ -25,6 +27,15 @@ enum Kind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kInt4Dot = 3, kInt8Dot =
 // The MLP's activation: SiLU (Llama, Qwen2), GeLU, GeLU with the tanh approximation (Gemma).
 enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
+// From how many rows a product runs on AMX tiles, as kernels.panels.amx_rows: `rows`, at least
+// `small_rows` for a product of fewer than `small_weights` weights; rows 0: never.
+struct AmxRows {
+  int64_t rows = 0, small_rows = 0, small_weights = 0;
+  int64_t operator()(int64_t n, int64_t k) const {
+    return rows && n * k < small_weights ? std::max(rows, small_rows) : rows;
+  }
+};
+
 struct Projection {
   int64_t kind = kFloat, n = 0, bits = 16, float_min_rows = 0, segment = 0;
   at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight; kQ4K: q, sm, dd; kQ6K: ql, qh, sc (+ e: d)
@@ -34,19 +45,28 @@ struct Projection {
   std::vector<Projection> parts;  // kStack
 
   // As tokenmill.layers.linear.Linear._matmul; `partial`: a row-parallel rank's share, float64 from
-  // the int kernels, the bias left to the caller.
-  at::Tensor operator()(const at::Tensor& x, bool partial = false) const {
+  // the int kernels, the bias left to the caller; from `amx` rows on AMX tiles.
+  at::Tensor operator()(const at::Tensor& x, bool partial = false, const AmxRows& amx = AmxRows()) const {
     const at::Tensor& b = partial ? at::Tensor() : bias;
     if (fw.defined() && x.size(0) > float_min_rows) return at::linear(x, fw, b);
     if (kind == kFloat) return at::linear(x, q, b);
     if (kind == kStack) {
       std::vector<at::Tensor> ys;
-      for (const Projection& p : parts) ys.push_back(p(x, partial));
+      for (const Projection& p : parts) ys.push_back(p(x, partial, amx));
       const at::Tensor y = at::cat(ys, 1);
       return b.defined() ? y + b : y;
     }
     const at::Tensor xi = perm.defined() ? x.index_select(1, perm) : x;
     at::Tensor y;
+#ifdef TOKENMILL_AMX
+    const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
+    const int64_t from = amx(n, x.size(1));
+    if (from && !partial && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
+                                                          kind == kQ6K || kind == kLut)) {
+      y = amx_linear(xi, kind, q, opt(s), opt(m), opt(e), n);  // q, s, m, e hold panels.stack_args()' four
+      return b.defined() ? y + b : y;
+    }
+#endif
     switch (kind) {
       case kInt4: y = int4_linear(xi, q, s, m, n); break;
       case kInt8: y = int8_linear(xi, q, s, n); break;
@@ -149,6 +169,15 @@ class DecodeStack : public torch::CustomClassHolder {
   // One rank of a tensor-parallel group: the o and down projections hold a slice of their inputs,
   // and their partial outputs are summed across the group before joining the residual stream.
   // `shm`: the ranks share this host's memory (the fast path); else the group's c10d all-reduce.
+  // Which products go to AMX tiles (the amx variant), as Linear does in the Python layers
+  // (kernels.panels.amx_rows); rows 0 keeps every one on the integer kernels.
+  void set_amx_rows(int64_t rows, int64_t small_rows, int64_t small_weights) {
+#ifndef TOKENMILL_AMX
+    TORCH_CHECK(rows == 0, "AMX products need the amx kernel variant");
+#endif
+    amx_rows_ = AmxRows{rows, small_rows, small_weights};
+  }
+
   void set_tensor_parallel(c10::optional<c10::intrusive_ptr<ShmAllReduce>> shm, std::string group) {
     tp_shm_ = shm ? *shm : nullptr;
     tp_group_ = std::move(group);
@@ -207,7 +236,7 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
                 "one int64 cache slot per sequence");
     for (const Layer& L : layers_) {
-      at::Tensor qkv = L.proj[0](rms_norm(h, L.in_norm, eps_));                             // (B, (Hq+2Hkv) D)
+      at::Tensor qkv = L.proj[0](rms_norm(h, L.in_norm, eps_), false, amx_rows_);                             // (B, (Hq+2Hkv) D)
       if (L.q_norm.defined()) {
         at::Tensor qh = qkv.narrow(1, 0, hq_ * d_).view({B, hq_, d_}), kh = qkv.narrow(1, hq_ * d_, hkv_ * d_).view({B, hkv_, d_});
         head_rms_norm_(qh, L.q_norm, eps_);
@@ -233,7 +262,7 @@ class DecodeStack : public torch::CustomClassHolder {
         add_into(h, experts(L, rms_norm(h, L.post_norm, eps_)));
         continue;
       }
-      const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_));                      // (B, 2 I)
+      const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_), false, amx_rows_);                      // (B, 2 I)
       const at::Tensor m = row_parallel(L.proj[3], activation(gu));
       add_into(h, L.mlp_out_norm.defined() ? rms_norm(m, L.mlp_out_norm, eps_) : m);
     }
@@ -246,7 +275,7 @@ class DecodeStack : public torch::CustomClassHolder {
   // A row-parallel projection (o, down): under tensor parallelism the rank's partial output (float64
   // from the int kernels) summed over the ranks, then rounded to float32, as Linear.forward does.
   at::Tensor row_parallel(const Projection& p, const at::Tensor& x) const {
-    if (!tp_shm_ && tp_group_.empty()) return p(x);
+    if (!tp_shm_ && tp_group_.empty()) return p(x, false, amx_rows_);
     at::Tensor t = p(x, /*partial=*/true);
     if (tp_shm_)
       tp_shm_->all_reduce_(t);
@@ -272,13 +301,15 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t n = cp[e];
       if (!n) continue;
       const at::Tensor rows = token_of.narrow(0, start, n);
-      const at::Tensor y = L.expert_proj[2 * e + 1](activation(L.expert_proj[2 * e](x.index_select(0, rows))));
+      const at::Tensor y = L.expert_proj[2 * e + 1](activation(L.expert_proj[2 * e](x.index_select(0, rows), false, amx_rows_)),
+                                                    false, amx_rows_);
       out.index_add_(0, rows, y * slot_w.narrow(0, start, n).unsqueeze(1));
       start += n;
     }
     if (L.shared_gate.defined()) {
       const size_t i = 2 * L.num_experts;
-      out = out + at::sigmoid(at::linear(x, L.shared_gate)) * L.expert_proj[i + 1](activation(L.expert_proj[i](x)));
+      out = out + at::sigmoid(at::linear(x, L.shared_gate)) *
+                      L.expert_proj[i + 1](activation(L.expert_proj[i](x, false, amx_rows_)), false, amx_rows_);
     }
     return out;
   }
@@ -300,6 +331,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
   int64_t hq_, hkv_, d_, inter_, act_;
+  AmxRows amx_rows_;  // which products run on AMX tiles
   double eps_, scale_;
   std::vector<Layer> layers_;
   std::string tp_group_;  // empty (and no tp_shm_): one process holds the whole model
@@ -325,5 +357,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def("add_part", &tokenmill::DecodeStack::add_part)
       .def("set_moe", &tokenmill::DecodeStack::set_moe)
       .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
+      .def("set_amx_rows", &tokenmill::DecodeStack::set_amx_rows)
       .def("forward", &tokenmill::DecodeStack::forward);
 }
