@@ -52,7 +52,7 @@ def int4_reference(x, q, scale, minimum, bits):
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("n,k,group", [(96, 256, 32), (40, 64, 64), (576, 1536, 128), (16, 32, 32), (32, 64, 16)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 21])
-def test_int4_panels_equal_their_reference(n, k, group, m, bits):
+def test_int4_panels_equal_their_reference(n, k, group, m, bits, integer_kernels):
     torch.manual_seed(n + m)
     q, scale, minimum = int4.quantize_rtn(torch.randn(n, k), group)
     x = torch.randn(m, k)

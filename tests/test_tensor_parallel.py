@@ -312,8 +312,13 @@ def test_server_on_ray_answers_openai_checks(ray_cluster, monkeypatch):
     finally:
         proc.terminate()  # drains, stops its rank, leaves (uvicorn re-raises SIGTERM once done)
         proc.wait(timeout=60)
+    import time
+
     import ray
-    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+    deadline = time.monotonic() + 20  # removal is asynchronous: the GCS marks the group once its bundles are freed
+    while not all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()):
+        assert time.monotonic() < deadline, ray.util.placement_group_table()
+        time.sleep(0.2)
 
 
 def test_idle_workers_are_pinged_and_serve_on(tiny_llama, monkeypatch):
