@@ -21,7 +21,8 @@ PORT=${PORT:-8731}
 WCACHE=$MODELS/.weight-cache
 build_llamacpp
 mkdir -p "$MODELS"
-out=$RESULTS/real_sizes${READY_ONLY:+_ready}$SUFFIX.jsonl; : > "$out"
+out=$RESULTS/real_sizes${READY_ONLY:+_ready}$SUFFIX.jsonl  # appended to: every run, with its commit, its CPU variant
+commit=$(git -C "$ROOT" rev-parse --short HEAD)$(git -C "$ROOT" diff --quiet HEAD || echo "+changes")
 
 ready_and_peak() {  # name cmd...: starts a server, prints {"ready_s", "peak_rss_gb"} after one answer
   local name=$1; shift
@@ -34,7 +35,7 @@ ready_and_peak() {  # name cmd...: starts a server, prints {"ready_s", "peak_rss
     -d '{"prompt": "The capital of France is", "max_tokens": 64, "temperature": 0}' > /dev/null
   local hwm; hwm=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
   stop "$pid"
-  echo "{\"ready_s\": $(echo "$t1 - $t0" | bc), \"peak_rss_gb\": $(echo "scale=3; $hwm / 1048576" | bc)}"
+  echo "{\"ready_s\": $(echo "$t1 - $t0" | bc | sed "s/^\./0./"), \"peak_rss_gb\": $(echo "scale=3; $hwm / 1048576" | bc | sed "s/^\./0./")}"
 }
 
 for size in $SIZES; do
@@ -52,7 +53,7 @@ for size in $SIZES; do
       tm=$(ready_and_peak tokenmill "${tm_serve[@]}")
       tm=$("$PY" -c 'import json,sys; a, b = map(json.loads, sys.argv[1:]); print(json.dumps({**b, "ready_first_s": a["ready_s"], "peak_rss_first_gb": a["peak_rss_gb"]}))' "$first" "$tm")
       if [ -n "${READY_ONLY:-}" ]; then  # only the two servers' start, alternated
-        echo "{\"size\": \"$size\", \"type\": \"$type\", \"commit\": \"$(git -C "$ROOT" rev-parse --short HEAD)\", \"tokenmill\": $tm, \"llama.cpp\": $lc}" >> "$out"
+        echo "{\"size\": \"$size\", \"type\": \"$type\", \"commit\": \"$commit\", \"tokenmill\": $tm, \"llama.cpp\": $lc}" >> "$out"
         continue
       fi
       dec=$(OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$model" --input-len 32 --output-len 64 \
@@ -60,13 +61,14 @@ for size in $SIZES; do
       pre=$(OMP_NUM_THREADS=2 "$TM" --log-level WARNING bench latency --model "$model" --input-len 512 --output-len 2 \
               --repeats 1 --no-enable-prefix-caching --kv-cache-memory 1GiB --weight-cache "$WCACHE")
       lb=$("$LLAMA_BUILD/bin/llama-bench" -m "$model" -t 2 -p 512 -n 64 -r 1 -o json)
-      "$PY" - "$size" "$type" "$file_bytes" "$tm" "$lc" "$dec" "$pre" "$lb" >> "$out" <<'PY'
+      "$PY" - "$size" "$type" "$file_bytes" "$tm" "$lc" "$dec" "$pre" "$lb" "$commit" >> "$out" <<'PY'
 import json, sys
 size, qtype, file_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
 tm, lc, dec, pre, lb = (json.loads(a) for a in sys.argv[4:9])
+commit = sys.argv[9]
 llama = {r["n_gen"] and "decode" or "pp512": r["avg_ts"] for r in lb}
-print(json.dumps({"size": size, "type": qtype, "file_gb": round(file_bytes / 1e9, 3),
-                  "tokenmill": {**tm, "decode_tok_s": round(dec["decode_tokens_per_s"], 2),
+print(json.dumps({"size": size, "type": qtype, "file_gb": round(file_bytes / 1e9, 3), "commit": commit,
+                  "cpu_kernels": dec["cpu_kernels"], "tokenmill": {**tm, "decode_tok_s": round(dec["decode_tokens_per_s"], 2),
                                 "pp512_tok_s": round(pre["input_len"] / pre["ttft_s"], 1),
                                 "bytes_per_token_vs_file": round(dec["weight_bytes_per_token"] / file_bytes, 3)},
                   "llama.cpp": {**lc, "decode_tok_s": round(llama["decode"], 2), "pp512_tok_s": round(llama["pp512"], 1)}}))

@@ -1,5 +1,5 @@
-"""GGUF block types at their own width (quant/kquant.py: K-quants, Q5_0/Q5_1, Q8_0, IQ4_NL, IQ4_XS,
-MXFP4): decoding equals gguf-py's dequantization exactly, the kernels multiply by exactly those
+"""GGUF block types at their own width (quant/kquant.py: K-quants Q2_K-Q6_K, Q5_0/Q5_1, Q8_0, IQ4_NL,
+IQ4_XS, MXFP4): decoding equals gguf-py's dequantization exactly, the kernels multiply by exactly those
 weights (to the activations' rounding), and Llama-shaped models of mixed types give the float
 model's logits on the same dequantized weights. Blocks are random bytes (with sane float16 scales):
 every bit pattern a file can hold, without llama.cpp's quantizer (gguf-py cannot make K-quants or
@@ -55,17 +55,30 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
         d, negmin = rows(p.dd[..., :16]).float(), rows(p.dd[..., 16:]).float()
         scale = (d.repeat_interleave(8, dim=1) * sc).repeat_interleave(32, dim=1)
         return q * scale + (negmin.repeat_interleave(8, dim=1) * mn).repeat_interleave(32, dim=1)
+    def two_bits(t: torch.Tensor) -> torch.Tensor:  # (P, K/32, 128) 2-bit fields -> (N, K)
+        h = t.reshape(-1, k // 32, 2, 16, 4).permute(0, 3, 1, 4, 2)  # (P, 16 rows, block, j, half)
+        f = torch.stack([(h >> (2 * o)) & 3 for o in range(4)], dim=3)  # (P, 16, block, octet, j, half)
+        return f.permute(0, 1, 2, 3, 5, 4).reshape(-1, k)[:n]  # input 32 block + 8 octet + 4 half + j
+    if isinstance(p, kernels.Q23KPanels):
+        q = two_bits(p.q2)
+        if w.kind == "Q3_K":
+            q = (q | (fifth(p.hb) >> 2)).float() - 4
+            return (rows(p.d).float().repeat_interleave(16, dim=1) * rows(p.sc).float()).repeat_interleave(16, dim=1) * q
+        d = rows(p.d.reshape(p.d.shape[0], -1, 16)).float()  # (N, 2 * K/256): d, -dmin per super-block
+        sc, mn = (rows(p.sc) & 15).float(), (rows(p.sc) >> 4).float()
+        scale = (d[:, 0::2].repeat_interleave(16, dim=1) * sc).repeat_interleave(16, dim=1)
+        minimum = (d[:, 1::2].repeat_interleave(16, dim=1) * mn).repeat_interleave(16, dim=1)
+        return q.float() * scale + minimum
     lo = nibbles(p.ql)
-    h = p.qh.view(-1, k // 32, 2, 16, 4).permute(0, 3, 1, 4, 2)  # (P, 16 rows, block, j, half)
-    hi = torch.stack([(h >> (2 * o)) & 3 for o in range(4)], dim=3)  # (P, 16, block, octet, j, half)
-    hi = hi.permute(0, 1, 2, 3, 5, 4).reshape(-1, k)[:n]  # input 32 block + 8 octet + 4 half + j
+    hi = two_bits(p.qh)
     scale = (rows(p.d).float().repeat_interleave(16, dim=1) * rows(p.sc).float()).repeat_interleave(16, dim=1)
     return scale * ((lo | hi << 4).float() - 32)
 
 
 # where each type's float16 scales sit in its block (offset, low, high): sane magnitudes, no inf/NaN
 _HALVES = {"Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)],
-           "Q6_K": [(208, 1e-4, 1e-3)], "Q3_K": [(108, 1e-4, 1e-3)], "Q5_0": [(0, 1e-4, 2e-3)],
+           "Q6_K": [(208, 1e-4, 1e-3)], "Q3_K": [(108, 1e-4, 1e-3)],
+           "Q2_K": [(80, 1e-4, 1e-3), (82, 1e-4, 1e-3)], "Q5_0": [(0, 1e-4, 2e-3)],
            "Q5_1": [(0, 1e-4, 2e-3), (2, -2e-3, 2e-3)], "Q8_0": [(0, 1e-5, 1e-4)], "IQ4_NL": [(0, 1e-5, 1e-4)],
            "IQ4_XS": [(0, 1e-6, 1e-5)], "MXFP4": []}
 
@@ -139,7 +152,7 @@ MIXES = {"Q4_K_M": ("Q6_K", [_Q4_K_M, _Q4_K_M]),
          "others": ("Q8_0", [{"attn_q": "Q5_K", "attn_k": "Q5_K", "attn_v": "Q8_0", "attn_output": "IQ4_XS",
                               "ffn_gate": "Q3_K", "ffn_up": "Q5_0", "ffn_down": "IQ4_NL"},
                              {"attn_q": "Q5_1", "attn_k": "Q5_1", "attn_v": "MXFP4", "attn_output": "Q5_0",
-                              "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q3_K"}])}
+                              "ffn_gate": "Q8_0", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}])}
 
 
 def _tiny_kquant_gguf(path, mix: str = "Q4_K_M") -> None:

@@ -117,6 +117,45 @@ struct Q6KDecoder {
   }
 };
 
+// GGUF Q3_K / Q2_K (kquant.cpp): 2-bit fields (Q3_K: and a third bit), w = q s + m per 16 inputs with
+// s = d sc, m = -4 s (Q3_K) or s = d sc, m = -dmin mn (Q2_K).
+template <bool THREE>
+struct Q23KDecoder {
+  const uint8_t *q2, *hb, *sc;
+  const at::Half* d;
+  int64_t K;
+  void operator()(int64_t p, int64_t b, v16f* w) const {
+    const int64_t dl = THREE ? 16 : 32;
+    const at::Half* dp = d + (p * (K / 256) + (b >> 3)) * dl;
+    const v16f dv = load_half(dp);
+    const uint8_t* scp = sc + (p * (K / 16) + 2 * b) * kLanes;
+    v16f s[2], m[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(scp + h * kLanes));
+      if constexpr (THREE) {
+        s[h] = dv * as_float(_mm512_cvtepi8_epi32(raw)), m[h] = s[h] * -4.f;
+      } else {
+        const __m512i sm = _mm512_cvtepu8_epi32(raw);
+        s[h] = dv * as_float(_mm512_and_si512(sm, _mm512_set1_epi32(15)));
+        m[h] = load_half(dp + 16) * as_float(_mm512_srli_epi32(sm, 4));
+      }
+    }
+    const uint8_t* hp = q2 + p * K * 4 + b * 128;
+    const __m512i h0 = load64(hp), h1 = load64(hp + 64);
+    const __m512i third = THREE ? load64(hb + p * K * 2 + b * 64) : _mm512_setzero_si512();
+    for (int o = 0; o < 4; ++o)
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo = field(h0, 8 * j + 2 * o, 3), hi = field(h1, 8 * j + 2 * o, 3);
+        if constexpr (THREE) {
+          lo = _mm512_or_si512(lo, _mm512_slli_epi32(field(third, 8 * j + o, 1), 2));
+          hi = _mm512_or_si512(hi, _mm512_slli_epi32(field(third, 8 * j + 4 + o, 1), 2));
+        }
+        w[8 * o + j] = as_float(lo) * s[o >> 1] + m[o >> 1];
+        w[8 * o + 4 + j] = as_float(hi) * s[o >> 1] + m[o >> 1];
+      }
+  }
+};
+
 // GGUF IQ4_NL / IQ4_XS / MXFP4 (lut.cpp): 4-bit indices (int4 dot layout) into a 16-entry table,
 // times the block's scale (dot.h LutScales).
 struct LutDecoder {
@@ -241,14 +280,14 @@ const at::Tensor& need(const c10::optional<at::Tensor>& t, const char* what) {
 std::string amx_status() { return tile_status(); }
 
 // x (M, K) float32 times a dot-layout weight of stack.cpp's kind (panels.StackKind: 3 int4, 4 int8,
-// 5 Q4_K/Q5_K, 6 Q6_K, 8 IQ4_NL/IQ4_XS/MXFP4) with its four tensors, as panels.stack_args() hands them -> (M, N) float32.
+// 5 Q4_K/Q5_K, 6 Q6_K, 8 IQ4_NL/IQ4_XS/MXFP4, 9 Q3_K/Q2_K) with its four tensors, as panels.stack_args() hands them -> (M, N) float32.
 at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                       const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& d, int64_t N) {
   TORCH_CHECK(tile_status().empty(), tile_status());
   TORCH_CHECK(a.dim() == 3 && a.scalar_type() == at::kByte && a.is_contiguous() && a.size(2) == 64,
               "panel bytes must be uint8 (P, rows, 64)");
   const int64_t P = a.size(0), M = x.size(0);
-  const int64_t K = kind == 4 ? a.size(1) * 4 : a.size(1) * 8;
+  const int64_t K = a.size(1) * (kind == 4 ? 4 : kind == 9 ? 16 : 8);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
   check_x(x, K);
   check_n(N, P);
@@ -301,6 +340,17 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, co
     check_panel(sc, {P, K / 16, kLanes}, at::kChar, "Q6_K scales");
     check_panel(dd, {P, K / 256, kLanes}, at::kHalf, "Q6_K d");
     amx_gemm(Q6KDecoder{q, qh.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), dd.data_ptr<at::Half>(), K}, xp, ldx, Mp, K, P, yp);
+  } else if (kind == 9) {
+    TORCH_CHECK(K % 256 == 0, "Q2_K/Q3_K need K a multiple of 256");
+    const at::Tensor& sc = need(b, "Q2_K/Q3_K scales");
+    const at::Tensor& dd = need(c, "Q2_K/Q3_K d");
+    const bool three = d.has_value() && d->defined();
+    if (three) check_panel(*d, {P, K / 32, 64}, at::kByte, "Q3_K third bits");
+    check_panel(sc, {P, K / 16, kLanes}, three ? at::kChar : at::kByte, "Q2_K/Q3_K scales");
+    check_panel(dd, {P, K / 256, three ? kLanes : 2 * kLanes}, at::kHalf, "Q2_K/Q3_K d");
+    const uint8_t* scp = static_cast<const uint8_t*>(sc.data_ptr());
+    if (three) amx_gemm(Q23KDecoder<true>{q, d->data_ptr<uint8_t>(), scp, dd.data_ptr<at::Half>(), K}, xp, ldx, Mp, K, P, yp);
+    else amx_gemm(Q23KDecoder<false>{q, nullptr, scp, dd.data_ptr<at::Half>(), K}, xp, ldx, Mp, K, P, yp);
   } else if (kind == 8) {
     const at::Tensor& s = need(b, "lookup-type scales");
     const int lut = s.scalar_type() == at::kHalf ? 0 : s.scalar_type() == at::kChar ? 1 : 2;

@@ -1,63 +1,91 @@
-// GGUF Q6_K at its own width: w = d sc (q - 32) with q = lo | hi << 4 in 0..63, one signed 8-bit
-// scale sc per 16 inputs and a float16 d per 256 (a super-block), exactly as the file stores them.
+// GGUF's K-quants with a scale per 16 inputs, at their own width: Q6_K, Q3_K and Q2_K. A float16 d
+// per 256 inputs (a super-block) and the file's own integers and sub-block scales:
+//   Q6_K  w = d sc (q - 32), q = lo | hi << 4 in 0..63, sc int8
+//   Q3_K  w = d sc (q - 4), q = lo2 | third << 2 in 0..7, sc = the file's 6-bit scale - 32 (int8)
+//   Q2_K  w = d sc q - dmin mn, q in 0..3, sc and mn 4-bit (a byte sc | mn << 4, as the file's)
 // (Q4_K and Q5_K run on the int4 tiles of linear.cpp with their super-block scales, KScales; Q5_K
 // adds a plane of fifth bits. Their transcoding is here, q45k_pack.)
 //
-// Layout, 16-row panels like the other dot weights (kernels/__init__.py packs it):
-//   ql  uint8 (P, K/8, 64)    the low nibbles in the int4 dot layout: byte [p, o, i*4 + j] =
+// Layout, 16-row panels like the other dot weights (kernels/panels.py packs them):
+//   ql  uint8 (P, K/8, 64)    Q6_K's low nibbles in the int4 dot layout: byte [p, o, i*4 + j] =
 //                             lo(q[16p+i, 8o+j]) | lo(q[16p+i, 8o+4+j]) << 4
-//   qh  uint8 (P, K/32, 128)  per block of 32 inputs, the 2-bit highs: byte [p, b, i*4 + j] holds
-//                             hi(q[n, 32b + 8o + j]) at bits 2o..2o+1 for o = 0..3, and byte
-//                             [p, b, 64 + i*4 + j] the same of q[n, 32b + 8o + 4 + j]
-//   sc  int8  (P, K/16, 16)   d   float16 (P, K/256, 16)
-// 0.8203 bytes per weight: the file's own 210 bytes per 256. An octet's 6-bit weights are the
-// nibbles OR'ed with their highs shifted into bits 4-5; VPDPBUSD (VPMADDUBSW on AVX2) multiplies
-// them by the activations' integers, and sum((q - 32) xq) = q . xq - 32 sum(xq) per 16 inputs.
+//   qh  uint8 (P, K/32, 128)  per block of 32 inputs, 2-bit fields (Q6_K's highs, Q3_K's and Q2_K's
+//                             low two bits): byte [p, b, i*4 + j] holds those of q[n, 32b + 8o + j]
+//                             at bits 2o..2o+1 for o = 0..3, byte [p, b, 64 + i*4 + j] those of
+//                             q[n, 32b + 8o + 4 + j]; Q3_K/Q2_K hold it as (P, K/16, 64), the same bytes
+//   hb  uint8 (P, K/32, 64)   Q3_K's third bits: bit o of byte [p, b, i*4 + j] for q[n, 32b + 8o + j],
+//                             bit 4 + o for q[n, 32b + 8o + 4 + j] (the fifth-bit layout of linear.cpp)
+//   sc  (P, K/16, 16)         int8 (Q6_K, Q3_K), uint8 sc | mn << 4 (Q2_K)
+//   d   float16 (P, K/256, 16), Q2_K (P, K/256, 32): 16 d | 16 -dmin
+// Bytes per weight: Q6_K 0.8203 (the file's 210 per 256), Q3_K 0.4453 (file 0.4297), Q2_K 0.3281 (the
+// file's). An octet's weights are assembled from their bit fields with shifts and masks; VPDPBUSD
+// (VPMADDUBSW on AVX2) multiplies them by the activations' integers; sum((q - c) xq) = q . xq - c
+// sum(xq) per 16 inputs, and Q2_K's minimum is mn times that sum.
+#include <type_traits>
+
 #include "dot.h"
 
 namespace tokenmill {
 namespace {
 #ifdef TOKENMILL_DOT
 
-#if defined(TOKENMILL_DOT512)
-// bits 2o..2o+1 of every byte -> bits 4..5 (16-bit shifts: what crosses into the neighbour byte is masked off)
-inline __m512i highs(__m512i h, int o, __m512i mask) {
-  const __m512i v = o == 0 ? _mm512_slli_epi16(h, 4) : o == 1 ? _mm512_slli_epi16(h, 2) : o == 2 ? h : _mm512_srli_epi16(h, 2);
-  return _mm512_and_si512(v, mask);
-}
-inline v16f int8x16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+enum KFormat { kQ6 = 0, kQ3 = 1, kQ2 = 2 };
+constexpr int32_t offset_of(int F) { return F == kQ6 ? 32 : F == kQ3 ? 4 : 0; }
 
-template <int MT, int NP, bool W>
-__attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
-                                            const int8_t* sc, const at::Half* d, YOut y, int nvalid_last) {
-  const int64_t nb = K / 32, bps = segment / 32, lstride = K * 8, hstride = K * 4, sstride = K, dstride = K / 16;
-  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+#if defined(TOKENMILL_DOT512)
+// bit `from` of every byte to bit `to`, masked (16-bit shifts: what crosses from the neighbour byte is masked off)
+inline __m512i move_bits(__m512i v, int from, int to, __m512i mask) {
+  const __m512i s = from > to ? _mm512_srli_epi16(v, from - to) : from < to ? _mm512_slli_epi16(v, to - from) : v;
+  return _mm512_and_si512(s, mask);
+}
+inline __m128i load16(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+template <int MT, int NP, bool W, int F>
+__attribute__((noinline)) void k16_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
+                                            const void* scales, const at::Half* d, YOut y, int nvalid_last) {
+  const int64_t nb = K / 32, bps = segment / 32, lstride = F == kQ6 ? K * 8 : K * 2, hstride = K * 4, sstride = K,
+                dl = F == kQ2 ? 32 : 16, dstride = K / 256 * dl;
+  const uint8_t* sc = static_cast<const uint8_t*>(scales);
+  const __m512i low = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30), two = _mm512_set1_epi8(3),
+                third = _mm512_set1_epi8(4), nib = _mm512_set1_epi32(15);
   Sum16 sum[MT][NP];
   for (int64_t b0 = 0; b0 < nb; b0 += bps) {
     v16f acc[MT][NP];
     for (int r = 0; r < MT; ++r)
       for (int j = 0; j < NP; ++j) acc[r][j] = v16f{};
     for (int64_t b = b0; b < b0 + bps; ++b) {
-      __m512i h0[NP], h1[NP];
-      v16f dv[NP];
+      __m512i h0[NP], h1[NP], hb[NP];
+      v16f dv[NP], mv[NP];
       for (int j = 0; j < NP; ++j) {
-        h0[j] = _mm512_loadu_si512(qh + j * hstride + b * 128), h1[j] = _mm512_loadu_si512(qh + j * hstride + b * 128 + 64);
-        dv[j] = load_half(d + j * dstride + (b >> 3) * kLanes);
+        const uint8_t* hj = qh + j * hstride + b * 128;
+        h0[j] = _mm512_loadu_si512(hj), h1[j] = _mm512_loadu_si512(hj + 64);
+        if constexpr (F != kQ6) prefetch_ahead(hj), prefetch_ahead(hj + 64);
+        if constexpr (F == kQ3) hb[j] = _mm512_loadu_si512(ql + j * lstride + b * 64), prefetch_ahead(ql + j * lstride + b * 64);
+        dv[j] = load_half(d + j * dstride + (b >> 3) * dl);
+        if constexpr (F == kQ2) mv[j] = load_half(d + j * dstride + (b >> 3) * dl + 16);
       }
+#pragma GCC unroll 2  // unrolled, every field's shift is an immediate (a variable one cost ~10 % at 64 rows)
       for (int half = 0; half < 2; ++half) {  // a sub-block of 16 inputs: octets 2 half and 2 half + 1
         __m512i hacc[MT][NP], lacc[MT][NP];
         for (int r = 0; r < MT; ++r)
           for (int j = 0; j < NP; ++j) hacc[r][j] = lacc[r][j] = _mm512_setzero_si512();
+#pragma GCC unroll 2
         for (int o = 2 * half; o < 2 * half + 2; ++o) {
           __m512i lo[NP], hi[NP];
           for (int j = 0; j < NP; ++j) {
-            const uint8_t* qj = ql + j * lstride + (b * 4 + o) * 64;
-            prefetch_ahead(qj);
-            const __m512i v = _mm512_loadu_si512(qj);
-            lo[j] = _mm512_or_si512(_mm512_and_si512(v, low), highs(h0[j], o, top));
-            hi[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), highs(h1[j], o, top));
+            if constexpr (F == kQ6) {
+              const uint8_t* qj = ql + j * lstride + (b * 4 + o) * 64;
+              prefetch_ahead(qj);
+              const __m512i v = _mm512_loadu_si512(qj);
+              lo[j] = _mm512_or_si512(_mm512_and_si512(v, low), move_bits(h0[j], 2 * o, 4, top));
+              hi[j] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), move_bits(h1[j], 2 * o, 4, top));
+            } else {
+              lo[j] = move_bits(h0[j], 2 * o, 0, two), hi[j] = move_bits(h1[j], 2 * o, 0, two);
+              if constexpr (F == kQ3) {
+                lo[j] = _mm512_or_si512(lo[j], move_bits(hb[j], o, 2, third));
+                hi[j] = _mm512_or_si512(hi[j], move_bits(hb[j], 4 + o, 2, third));
+              }
+            }
           }
           for (int r = 0; r < MT; ++r) {
             const int64_t at = r * K + b * 32 + o * 8;
@@ -70,12 +98,21 @@ __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment,
           }
         }
         for (int r = 0; r < MT; ++r) {
-          const __m512i bias = _mm512_set1_epi32(32 * x.qsum16[(r * nb + b) * 2 + half]);
+          const int32_t qs = x.qsum16[(r * nb + b) * 2 + half];
           const float dx = x.d[r * nb + b];
-          for (int j = 0; j < NP; ++j) {
+          const __m512i bias = _mm512_set1_epi32(offset_of(F) * qs);
+          for (int j = 0; j < NP; ++j) {  // the scales reloaded per row (from L1): kept live, they cost spills
             const __m512i dot = W ? _mm512_add_epi32(_mm512_slli_epi32(hacc[r][j], 8), lacc[r][j]) : hacc[r][j];
-            const v16f s = dv[j] * int8x16(sc + j * sstride + (2 * b + half) * kLanes);
-            acc[r][j] += v16f(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias))) * (s * dx);
+            const __m128i raw = load16(sc + j * sstride + (2 * b + half) * kLanes);
+            if constexpr (F == kQ2) {
+              const __m512i sm = _mm512_cvtepu8_epi32(raw);
+              const v16f s = dv[j] * v16f(_mm512_cvtepi32_ps(_mm512_and_si512(sm, nib)));
+              const v16f m = mv[j] * v16f(_mm512_cvtepi32_ps(_mm512_srli_epi32(sm, 4)));
+              acc[r][j] += v16f(_mm512_cvtepi32_ps(dot)) * (s * dx) + m * (qs * dx);
+            } else {
+              const v16f s = dv[j] * v16f(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw)));
+              acc[r][j] += v16f(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, bias))) * (s * dx);
+            }
           }
         }
       }
@@ -87,17 +124,21 @@ __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment,
     for (int j = 0; j < NP; ++j) sum[r][j].put(y.at(r, 0), j * kLanes, j == NP - 1 ? nvalid_last : kLanes);
 }
 // 8-bit x: 4 rows x 2 panels (accumulators, unpacked weights, highs and broadcasts: 28 of 32 zmm); 16-bit: 2 x 2
-constexpr int kQ6Rows8 = 4, kQ6Rows16 = 2;
+constexpr int kK16Rows8 = 4, kK16Rows16 = 2;
 #else
-inline __m256i highs(__m256i h, int o, __m256i mask) {
-  const __m256i v = o == 0 ? _mm256_slli_epi16(h, 4) : o == 1 ? _mm256_slli_epi16(h, 2) : o == 2 ? h : _mm256_srli_epi16(h, 2);
-  return _mm256_and_si256(v, mask);
+inline __m256i move_bits(__m256i v, int from, int to, __m256i mask) {
+  const __m256i s = from > to ? _mm256_srli_epi16(v, from - to) : from < to ? _mm256_slli_epi16(v, to - from) : v;
+  return _mm256_and_si256(s, mask);
 }
-template <int MT, int NU, bool W>
-__attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
-                                            const int8_t* sc, const at::Half* d, YOut y, int nvalid) {
-  const int64_t nb = K / 32, bps = segment / 32;
-  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+inline __m256i load32v(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+template <int MT, int NU, bool W, int F>
+__attribute__((noinline)) void k16_dot_tile(XRows x, int64_t K, int64_t segment, const uint8_t* ql, const uint8_t* qh,
+                                            const void* scales, const at::Half* d, YOut y, int nvalid) {
+  const int64_t nb = K / 32, bps = segment / 32, dl = F == kQ2 ? 32 : 16;
+  const uint8_t* sc = static_cast<const uint8_t*>(scales);
+  const __m256i low = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30), two = _mm256_set1_epi8(3),
+                third = _mm256_set1_epi8(4), nib = _mm256_set1_epi32(15);
   for (int u0 = 0; u0 < 2; u0 += NU) {
     Sum8 sum[MT][NU];
     for (int64_t b0 = 0; b0 < nb; b0 += bps) {
@@ -105,25 +146,42 @@ __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment,
       for (int r = 0; r < MT; ++r)
         for (int u = 0; u < NU; ++u) acc[r][u] = _mm256_setzero_ps();
       for (int64_t b = b0; b < b0 + bps; ++b) {
-        __m256i h0[NU], h1[NU];
-        __m256 dv[NU];
+        __m256i h0[NU], h1[NU], hb[NU];
+        __m256 dv[NU], mv[NU];
+        if constexpr (F != kQ6)
+          if (u0 == 0) prefetch_ahead(qh + b * 128), prefetch_ahead(qh + b * 128 + 64);
+        if constexpr (F == kQ3)
+          if (u0 == 0) prefetch_ahead(ql + b * 64);
         for (int u = 0; u < NU; ++u) {
-          h0[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 128 + (u0 + u) * 32));
-          h1[u] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 128 + 64 + (u0 + u) * 32));
-          dv[u] = load_half8(d + (b >> 3) * kLanes + (u0 + u) * 8);
+          h0[u] = load32v(qh + b * 128 + (u0 + u) * 32), h1[u] = load32v(qh + b * 128 + 64 + (u0 + u) * 32);
+          if constexpr (F == kQ3) hb[u] = load32v(ql + b * 64 + (u0 + u) * 32);
+          dv[u] = load_half8(d + (b >> 3) * dl + (u0 + u) * 8);
+          if constexpr (F == kQ2) mv[u] = load_half8(d + (b >> 3) * dl + 16 + (u0 + u) * 8);
         }
+#pragma GCC unroll 2
         for (int half = 0; half < 2; ++half) {
           __m256i hacc[MT][NU], lacc[MT][NU];
           for (int r = 0; r < MT; ++r)
             for (int u = 0; u < NU; ++u) hacc[r][u] = lacc[r][u] = _mm256_setzero_si256();
+#pragma GCC unroll 2
           for (int o = 2 * half; o < 2 * half + 2; ++o) {
-            const uint8_t* qo = ql + (b * 4 + o) * 64;
-            if (u0 == 0) prefetch_ahead(qo);
             __m256i lo[NU], hi[NU];
-            for (int u = 0; u < NU; ++u) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + (u0 + u) * 32));
-              lo[u] = _mm256_or_si256(_mm256_and_si256(v, low), highs(h0[u], o, top));
-              hi[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), highs(h1[u], o, top));
+            if constexpr (F == kQ6) {
+              const uint8_t* qo = ql + (b * 4 + o) * 64;
+              if (u0 == 0) prefetch_ahead(qo);
+              for (int u = 0; u < NU; ++u) {
+                const __m256i v = load32v(qo + (u0 + u) * 32);
+                lo[u] = _mm256_or_si256(_mm256_and_si256(v, low), move_bits(h0[u], 2 * o, 4, top));
+                hi[u] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), move_bits(h1[u], 2 * o, 4, top));
+              }
+            } else {
+              for (int u = 0; u < NU; ++u) {
+                lo[u] = move_bits(h0[u], 2 * o, 0, two), hi[u] = move_bits(h1[u], 2 * o, 0, two);
+                if constexpr (F == kQ3) {
+                  lo[u] = _mm256_or_si256(lo[u], move_bits(hb[u], o, 2, third));
+                  hi[u] = _mm256_or_si256(hi[u], move_bits(hb[u], 4 + o, 2, third));
+                }
+              }
             }
             for (int r = 0; r < MT; ++r) {
               const int64_t at = r * K + b * 32 + o * 8;
@@ -135,14 +193,29 @@ __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment,
               }
             }
           }
+          __m256 s[NU], m[NU];
+          for (int u = 0; u < NU; ++u) {
+            const __m128i raw = load8(sc + (2 * b + half) * kLanes + (u0 + u) * 8);
+            if constexpr (F == kQ2) {
+              const __m256i sm = _mm256_cvtepu8_epi32(raw);
+              s[u] = _mm256_mul_ps(dv[u], _mm256_cvtepi32_ps(_mm256_and_si256(sm, nib)));
+              m[u] = _mm256_mul_ps(mv[u], _mm256_cvtepi32_ps(_mm256_srli_epi32(sm, 4)));
+            } else {
+              s[u] = _mm256_mul_ps(dv[u], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+            }
+          }
           for (int r = 0; r < MT; ++r) {
-            const __m256i bias = _mm256_set1_epi32(32 * x.qsum16[(r * nb + b) * 2 + half]);
+            const int32_t qs = x.qsum16[(r * nb + b) * 2 + half];
             const __m256 dx = _mm256_set1_ps(x.d[r * nb + b]);
+            const __m256i bias = _mm256_set1_epi32(offset_of(F) * qs);
             for (int u = 0; u < NU; ++u) {
               const __m256i dot = W ? _mm256_add_epi32(_mm256_slli_epi32(hacc[r][u], 8), lacc[r][u]) : hacc[r][u];
-              const __m256 s = _mm256_mul_ps(dv[u], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                  load8(sc + (2 * b + half) * kLanes + (u0 + u) * 8))));
-              acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), _mm256_mul_ps(s, dx), acc[r][u]);
+              if constexpr (F == kQ2) {
+                acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s[u], dx), acc[r][u]);
+                acc[r][u] = _mm256_fmadd_ps(m[u], _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(qs)), dx), acc[r][u]);
+              } else {
+                acc[r][u] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(dot, bias)), _mm256_mul_ps(s[u], dx), acc[r][u]);
+              }
             }
           }
         }
@@ -155,11 +228,44 @@ __attribute__((noinline)) void q6k_dot_tile(XRows x, int64_t K, int64_t segment,
   }
 }
 // 16 ymm: 3 rows x 1 half at 8 bits, 2 at 16
-constexpr int kQ6Rows8 = 3, kQ6Rows16 = 2;
+constexpr int kK16Rows8 = 3, kK16Rows16 = 2;
 #endif
 
-DOT_TILE_ADAPTER(Q6KDot16Tile, q6k_dot_tile<MT, NP, true>)
-DOT_TILE_ADAPTER(Q6KDot8Tile, q6k_dot_tile<MT, NP, false>)
+template <int F>
+struct K16 {
+  DOT_TILE_ADAPTER(Dot16, k16_dot_tile<MT, NP, true, F>)
+  DOT_TILE_ADAPTER(Dot8, k16_dot_tile<MT, NP, false, F>)
+};
+
+// x (M, K) times a weight of format F: ql (Q6_K's nibbles, Q3_K's third bits, Q2_K none), qh, sc, d
+// checked by the callers.
+at::Tensor k16_linear(int F, const at::Tensor& x, const uint8_t* ql, const uint8_t* qh, const void* sc,
+                      const at::Half* d, int64_t P, int64_t K, int64_t N, int64_t bits, int64_t segment, bool partial) {
+  check_n(N, P);
+  check_x(x, K);
+  const int64_t M = x.size(0);
+  segment = check_segment(segment, K, 256);
+  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kHalves, /*sums16=*/true);
+  at::Tensor y = output(x, N, partial);
+  const int64_t lstride = F == kQ6 ? K * 8 : K * 2, dstride = K / 256 * (F == kQ2 ? 32 : 16);
+  const int tile = bits == 16 ? kK16Rows16 : kK16Rows8;
+  for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
+    const XRows xr = rows_at(xq, r, K, 0);
+    const YOut yt = out_at(y, r, p * kLanes);
+    const uint8_t *qlt = ql ? ql + p * lstride : nullptr, *qht = qh + p * K * 4;
+    const uint8_t* sct = static_cast<const uint8_t*>(sc) + p * K;
+    const at::Half* dt = d + p * dstride;
+    auto run = [&](auto format) {
+      constexpr int f = decltype(format)::value;
+      if (bits == 16) dispatch_dot<K16<f>::template Dot16>(rows, np, xr, K, segment, qlt, qht, static_cast<const void*>(sct), dt, yt, nvalid);
+      else dispatch_dot<K16<f>::template Dot8>(rows, np, xr, K, segment, qlt, qht, static_cast<const void*>(sct), dt, yt, nvalid);
+    };
+    if (F == kQ6) run(std::integral_constant<int, kQ6>());
+    else if (F == kQ3) run(std::integral_constant<int, kQ3>());
+    else run(std::integral_constant<int, kQ2>());
+  });
+  return y;
+}
 
 }  // namespace
 
@@ -173,26 +279,23 @@ at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::T
   check_panel(qh, {P, K / 32, 128}, at::kByte, "Q6_K highs");
   check_panel(sc, {P, K / 16, 16}, at::kChar, "Q6_K scales");
   check_panel(d, {P, K / 256, 16}, at::kHalf, "Q6_K d");
-  check_n(N, P);
-  check_x(x, K);
-  const int64_t M = x.size(0);
-  segment = check_segment(segment, K, 256);
-  const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kHalves, /*sums16=*/true);
-  at::Tensor y = output(x, N, partial);
-  const uint8_t *qlp = ql.data_ptr<uint8_t>(), *qhp = qh.data_ptr<uint8_t>();
-  const int8_t* scp = sc.data_ptr<int8_t>();
-  const at::Half* dp = d.data_ptr<at::Half>();
-  const int tile = bits == 16 ? kQ6Rows16 : kQ6Rows8;
-  for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
-    const XRows xr = rows_at(xq, r, K, 0);
-    const YOut yt = out_at(y, r, p * kLanes);
-    const uint8_t *qlt = qlp + p * K * 8, *qht = qhp + p * K * 4;
-    const int8_t* sct = scp + p * K;
-    const at::Half* dt = dp + p * (K / 16);
-    if (bits == 16) dispatch_dot<Q6KDot16Tile>(rows, np, xr, K, segment, qlt, qht, sct, dt, yt, nvalid);
-    else dispatch_dot<Q6KDot8Tile>(rows, np, xr, K, segment, qlt, qht, sct, dt, yt, nvalid);
-  });
-  return y;
+  return k16_linear(kQ6, x, ql.data_ptr<uint8_t>(), qh.data_ptr<uint8_t>(), sc.data_ptr(), d.data_ptr<at::Half>(), P, K,
+                    N, bits, segment, partial);
+}
+
+at::Tensor q23k_linear_dot(const at::Tensor& x, const at::Tensor& q2, const at::Tensor& sc, const at::Tensor& d,
+                           const c10::optional<at::Tensor>& hb, int64_t N, int64_t bits, int64_t segment, bool partial) {
+  check_bits(bits);
+  TORCH_CHECK(q2.dim() == 3 && q2.scalar_type() == at::kByte && q2.size(2) == 64 && q2.is_contiguous(),
+              "Q2_K/Q3_K 2-bit fields must be uint8 (P, K/16, 64)");
+  const int64_t P = q2.size(0), K = q2.size(1) * 16;
+  TORCH_CHECK(K % 256 == 0, "Q2_K/Q3_K need K a multiple of 256");
+  const bool three = hb.has_value() && hb->defined();
+  if (three) check_panel(*hb, {P, K / 32, 64}, at::kByte, "Q3_K third bits");
+  check_panel(sc, {P, K / 16, 16}, three ? at::kChar : at::kByte, three ? "Q3_K scales" : "Q2_K scales and minimums");
+  check_panel(d, {P, K / 256, three ? 16 : 32}, at::kHalf, three ? "Q3_K d" : "Q2_K d and -dmin");
+  return k16_linear(three ? kQ3 : kQ2, x, three ? hb->data_ptr<uint8_t>() : nullptr, q2.data_ptr<uint8_t>(), sc.data_ptr(),
+                    d.data_ptr<at::Half>(), P, K, N, bits, segment, partial);
 }
 #else
 }  // namespace
@@ -350,6 +453,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 #ifdef TOKENMILL_DOT
   m.def("q6k_linear_dot(Tensor x, Tensor ql, Tensor qh, Tensor sc, Tensor d, int N, int bits, int segment=0, "
         "bool partial=False) -> Tensor");
+  m.def("q23k_linear_dot(Tensor x, Tensor q2, Tensor sc, Tensor d, Tensor? hb, int N, int bits, int segment=0, "
+        "bool partial=False) -> Tensor");
 #endif
   m.def("q4k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, int row0) -> ()");
   m.def("q5k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, Tensor(d!) qh, int row0) -> ()");
@@ -359,6 +464,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
 #ifdef TOKENMILL_DOT
   m.impl("q6k_linear_dot", &tokenmill::q6k_linear_dot);
+  m.impl("q23k_linear_dot", &tokenmill::q23k_linear_dot);
 #endif
   m.impl("q4k_pack", &tokenmill::q4k_pack);
   m.impl("q5k_pack", &tokenmill::q5k_pack);

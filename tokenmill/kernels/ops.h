@@ -33,12 +33,16 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
                            const c10::optional<at::Tensor>& qh = c10::nullopt);
 at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits,
                            int64_t segment = 0, bool partial = false);
-// GGUF K-quants at their own width (Q4_K: linear.cpp, Q6_K: kquant.cpp; layouts in kernels/__init__.py)
+// GGUF K-quants at their own width (Q4_K: linear.cpp, Q6_K, Q3_K, Q2_K: kquant.cpp, with the layouts)
 at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& sm, const at::Tensor& dd,
                           int64_t N, int64_t bits, int64_t segment = 0, bool partial = false,
                           const c10::optional<at::Tensor>& qh = c10::nullopt);
 at::Tensor q6k_linear_dot(const at::Tensor& x, const at::Tensor& ql, const at::Tensor& qh, const at::Tensor& sc,
                           const at::Tensor& d, int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);
+// hb: Q3_K's third bits; without it the weight is Q2_K
+at::Tensor q23k_linear_dot(const at::Tensor& x, const at::Tensor& q2, const at::Tensor& sc, const at::Tensor& d,
+                           const c10::optional<at::Tensor>& hb, int64_t N, int64_t bits, int64_t segment = 0,
+                           bool partial = false);
 // GGUF IQ4_NL, IQ4_XS, MXFP4: 4-bit indices into a table, the scales' dtype names the type (lut.cpp)
 at::Tensor lut_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& d,
                           int64_t N, int64_t bits, int64_t segment = 0, bool partial = false);

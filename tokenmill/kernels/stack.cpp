@@ -22,8 +22,8 @@ namespace tokenmill {
 namespace {
 
 // How a projection's weight is held (tokenmill.kernels' Int4Panels / Int8Panels / Q4KPanels /
-// Q6KPanels / LutPanels, or float), or kStack: parts of different kinds stacked by output rows (a RowStack).
-enum Kind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kInt4Dot = 3, kInt8Dot = 4, kQ4K = 5, kQ6K = 6, kStack = 7, kLut = 8 };
+// Q6KPanels / LutPanels / Q23KPanels, or float), or kStack: parts of different kinds stacked by output rows (a RowStack).
+enum Kind : int64_t { kFloat = 0, kInt4 = 1, kInt8 = 2, kInt4Dot = 3, kInt8Dot = 4, kQ4K = 5, kQ6K = 6, kStack = 7, kLut = 8, kQ23K = 9 };
 // The MLP's activation: SiLU (Llama, Qwen2), GeLU, GeLU with the tanh approximation (Gemma).
 enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 
@@ -38,7 +38,7 @@ struct AmxRows {
 
 struct Projection {
   int64_t kind = kFloat, n = 0, bits = 16, float_min_rows = 0, segment = 0;
-  at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight; kQ4K: q, sm, dd; kQ6K: ql, qh, sc (+ e: d)
+  at::Tensor q, s, m;         // kFloat: q is the (N, K) float weight; kQ4K: q, sm, dd; kQ6K: ql, qh, sc (+ e: d); kQ23K: q2, sc, d (+ e: Q3_K's third bits)
                               // e of kInt4Dot / kQ4K: the fifth bits of 5-bit weights (Q5_0/Q5_1, Q5_K)
   at::Tensor bias, perm, fw;  // optional: bias (N,), input order (K,) of act-order GPTQ, float copy
   at::Tensor e;
@@ -62,7 +62,7 @@ struct Projection {
     const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const int64_t from = amx(n, x.size(1));
     if (from && !partial && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
-                                                          kind == kQ6K || kind == kLut)) {
+                                                          kind == kQ6K || kind == kLut || kind == kQ23K)) {
       y = amx_linear(xi, kind, q, opt(s), opt(m), opt(e), n);  // q, s, m, e hold panels.stack_args()' four
       return b.defined() ? y + b : y;
     }
@@ -75,6 +75,7 @@ struct Projection {
       case kInt8Dot: y = int8_linear_dot(xi, q, s, n, bits, segment, partial); break;
       case kQ4K: y = q4k_linear_dot(xi, q, s, m, n, bits, segment, partial, e); break;
       case kQ6K: y = q6k_linear_dot(xi, q, s, m, e, n, bits, segment, partial); break;
+      case kQ23K: y = q23k_linear_dot(xi, q, s, m, e.defined() ? c10::optional<at::Tensor>(e) : c10::nullopt, n, bits, segment, partial); break;
       case kLut: y = lut_linear_dot(xi, q, s, m.defined() ? c10::optional<at::Tensor>(m) : c10::nullopt, n, bits, segment, partial); break;
 #endif
       default: TORCH_CHECK(false, "unknown projection kind ", kind);
@@ -199,10 +200,10 @@ class DecodeStack : public torch::CustomClassHolder {
       return;
     }
 #ifndef TOKENMILL_DOT
-    TORCH_CHECK(kind != kInt4Dot && kind != kInt8Dot && kind != kQ4K && kind != kQ6K && kind != kLut,
+    TORCH_CHECK(kind != kInt4Dot && kind != kInt8Dot && kind != kQ4K && kind != kQ6K && kind != kLut && kind != kQ23K,
                 "the kernels were built without the dot layout");
 #endif
-    TORCH_CHECK(kind >= kFloat && kind <= kLut, "unknown projection kind ", kind);
+    TORCH_CHECK(kind >= kFloat && kind <= kQ23K, "unknown projection kind ", kind);
     const int64_t i = static_cast<int64_t>(layers_.back().proj.size());
     const int64_t want[4] = {(hq_ + 2 * hkv_) * d_, hidden(), 2 * inter_, hidden()};
     TORCH_CHECK(i == 0 || n == want[i], "projection ", i, " has ", n, " outputs, expected ", want[i]);
@@ -217,7 +218,7 @@ class DecodeStack : public torch::CustomClassHolder {
                 c10::optional<at::Tensor> e, int64_t n, int64_t bits, int64_t segment) {
     TORCH_CHECK(!layers_.empty() && !layers_.back().proj.empty() && layers_.back().proj.back().kind == kStack,
                 "add_part follows an add_projection of kind ", static_cast<int64_t>(kStack));
-    TORCH_CHECK((kind >= kInt4Dot && kind <= kQ6K) || kind == kLut, "a stacked part is a dot-layout weight, got kind ", kind);
+    TORCH_CHECK((kind >= kInt4Dot && kind <= kQ6K) || kind == kLut || kind == kQ23K, "a stacked part is a dot-layout weight, got kind ", kind);
     Projection part{kind, n, bits, 0, segment, q, s.value_or(at::Tensor()), m.value_or(at::Tensor())};
     part.e = e.value_or(at::Tensor());
     layers_.back().proj.back().parts.push_back(std::move(part));

@@ -11,16 +11,16 @@ other. The transcoding moves bits, never values.
     Q4_K            Q4KPanels                    0.578  (0.5625)
     Q5_K            Q4KPanels + fifth bits       0.703  (0.6875)
     Q6_K            Q6KPanels                    0.820  (0.8203)
-    Q3_K            Q6KPanels (gguf_blocks.q3k_as_q6k: 3-bit values in the 6-bit form)
-                                                 0.820  (0.4297)
+    Q3_K            Q23KPanels + third bits      0.445  (0.4297)
+    Q2_K            Q23KPanels                   0.328  (0.3281)
     Q5_0, Q5_1      Int4Panels + fifth bits      0.750  (0.6875, 0.75)
     Q8_0            Int8Panels, block scales     1.0625 (1.0625)
     IQ4_NL          LutPanels                    0.5625 (0.5625)
     IQ4_XS          LutPanels                    0.539  (0.531)
     MXFP4           LutPanels                    0.531  (0.531)
 
-Q3_K is exact but wider than its file: it runs on the 6-bit kernel. Q2_K is not here (its per-16
-minimums fit none of the panels): it is rounded to int8 per channel by `Linear`.
+Q6_K, Q3_K and Q2_K share kquant.cpp's tiles for 16-input sub-blocks (Q2_K's minimum per 16 is
+its scale's twin there); Q3_K/Q2_K are decoded by numpy (gguf_blocks.decode_k16) and packed here.
 
     Q4_K super-block, 144 bytes: d, dmin (float16) | 12 bytes of 6-bit sc, mn for 8 groups of 32 |
           128 bytes of nibbles (byte 32c + j: weight 64c + j low, 64c + 32 + j high)
@@ -42,14 +42,14 @@ from tokenmill.quant import gguf_blocks
 from tokenmill.quant.base import QuantWeight
 from tokenmill.utils import huge_page_zeros
 
-SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K")  # 256-weight super-blocks
+SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")  # 256-weight super-blocks
 KINDS = (*SUPER, *gguf_blocks.FIVE_BIT, "Q8_0", *gguf_blocks.LOOKUP)
 # bytes per weight of each kind's panels (the table above): what the memory check counts
-PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.820, "Q5_0": 0.75, "Q5_1": 0.75,
+PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.445, "Q2_K": 0.328, "Q5_0": 0.75, "Q5_1": 0.75,
                 "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.539, "MXFP4": 0.531}
 PACK_ROWS = 2048  # rows decoded and packed per step (a multiple of the 16-row panels)
 
-Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Int4Panels | kernels.Int8Panels | kernels.LutPanels
+Panels = kernels.Q4KPanels | kernels.Q6KPanels | kernels.Q23KPanels | kernels.Int4Panels | kernels.Int8Panels | kernels.LutPanels
 
 
 @dataclass
@@ -84,7 +84,12 @@ def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
         panels = kernels.Q4KPanels(z((p, cols // 8, 64), torch.uint8), z((p, cols // 32, 32), torch.uint8),
                                    z((p, cols // 256, 32), torch.half), rows,
                                    qh=z((p, cols // 32, 64), torch.uint8) if kind == "Q5_K" else None)
-    elif kind in ("Q6_K", "Q3_K"):
+    elif kind in ("Q3_K", "Q2_K"):
+        three = kind == "Q3_K"
+        panels = kernels.Q23KPanels(z((p, cols // 16, 64), torch.uint8), z((p, cols // 16, 16), torch.int8 if three else torch.uint8),
+                                    z((p, cols // 256, 16 if three else 32), torch.half), rows,
+                                    hb=z((p, cols // 32, 64), torch.uint8) if three else None)
+    elif kind == "Q6_K":
         panels = kernels.Q6KPanels(z((p, cols // 8, 64), torch.uint8), z((p, cols // 32, 128), torch.uint8),
                                    z((p, cols // 16, 16), torch.int8), z((p, cols // 256, 16), torch.half), rows)
     elif kind in gguf_blocks.FIVE_BIT:
@@ -120,10 +125,17 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
         return torch.ops.tokenmill.q4k_pack(_source(raw), p.q, p.sm, p.dd, row0)
     if kind == "Q5_K":
         return torch.ops.tokenmill.q5k_pack(_source(raw), p.q, p.sm, p.dd, p.qh, row0)
-    if kind in ("Q6_K", "Q3_K"):
-        raw = gguf_blocks.q3k_as_q6k(raw) if kind == "Q3_K" else raw
+    if kind == "Q6_K":
         return torch.ops.tokenmill.q6k_pack(_source(raw), p.ql, p.qh, p.sc, p.d, row0)
     at = slice(row0 // kernels.LANES, (row0 + raw.shape[0] + kernels.LANES - 1) // kernels.LANES)
+    if kind in ("Q3_K", "Q2_K"):
+        q, sc, d = gguf_blocks.decode_k16(raw, kind)
+        p.q2[at], p.sc[at] = kernels.two_bit_panels(q), _rows_to_panels(sc)
+        dp = _rows_to_panels(d.reshape(d.shape[0], -1))  # Q2_K: (d, -dmin) pairs -> 16 d | 16 -dmin per super-block
+        p.d[at] = dp.view(dp.shape[0], -1, p.d.shape[2])
+        if p.hb is not None:
+            p.hb[at] = kernels.fifth_bit_panels(q, bit=2)
+        return
     if kind in gguf_blocks.FIVE_BIT:
         q, scale, minimum = gguf_blocks.decode(raw, kind, w.in_features)
         p.q[at], p.qh[at] = kernels.int4_dot_panels(q), kernels.fifth_bit_panels(q)
@@ -136,6 +148,13 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
     else:
         q, d = gguf_blocks.decode_q8_0(raw, w.in_features)
         p.q[at], p.s[at] = kernels.int8_dot_panels(q), kernels.per_panel(d).half()
+
+
+def _rows_to_panels(t: torch.Tensor) -> torch.Tensor:
+    """(N, G) per-row values of any dtype -> (P, G, 16), as the panels hold them, in its own dtype (per_panel's are float32)."""
+    pad = -t.shape[0] % kernels.LANES
+    t = torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
+    return t.reshape(-1, kernels.LANES, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
