@@ -48,7 +48,8 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
         return kernels.unpack_int8(p).float() * rows(p.s).float().repeat_interleave(32, dim=1)
     if isinstance(p, kernels.Int4Panels):
         q = (nibbles(p.q) | fifth(p.qh)).float()
-        return q * rows(p.s).float().repeat_interleave(32, dim=1) + rows(p.m).float().repeat_interleave(32, dim=1)
+        m = rows(p.m).float() if p.m is not None else rows(p.s).float() * -16  # Q5_0: symmetric, no minimums
+        return q * rows(p.s).float().repeat_interleave(32, dim=1) + m.repeat_interleave(32, dim=1)
     if isinstance(p, kernels.Q4KPanels):
         q = (nibbles(p.q) | fifth(p.qh) if p.qh is not None else nibbles(p.q)).float()
         sc, mn = rows(p.sm[..., :16]).float(), rows(p.sm[..., 16:]).float()
@@ -77,7 +78,7 @@ def unpack_panels(w: kquant.KQuantWeight) -> torch.Tensor:
 
 # where each type's float16 scales sit in its block (offset, low, high): sane magnitudes, no inf/NaN
 _HALVES = {"Q4_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)], "Q5_K": [(0, 1e-4, 2e-3), (2, 1e-4, 2e-3)],
-           "Q6_K": [(208, 1e-4, 1e-3)], "Q3_K": [(108, 1e-4, 1e-3)],
+           "Q6_K": [(208, 1e-4, 1e-3)], "Q4_0": [(0, 1e-4, 2e-3)], "Q3_K": [(108, 1e-4, 1e-3)],
            "Q2_K": [(80, 1e-4, 1e-3), (82, 1e-4, 1e-3)], "Q5_0": [(0, 1e-4, 2e-3)],
            "Q5_1": [(0, 1e-4, 2e-3), (2, -2e-3, 2e-3)], "Q8_0": [(0, 1e-5, 1e-4)], "IQ4_NL": [(0, 1e-5, 1e-4)],
            "IQ4_XS": [(0, 1e-6, 1e-5)], "MXFP4": []}
@@ -125,6 +126,28 @@ def test_kernel_equals_the_dequantized_matmul(kind, n, k, m, bits, integer_kerne
     assert y.shape == (m, n) and y.dtype == torch.float32
     err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-4 if bits == 16 else 3e-2), err  # 16 bits: float32-level; 8 bits: llama.cpp's Q8 activations
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
+@pytest.mark.parametrize("m", [1, 33])  # 33 rows: the AMX tiles on the amx variant
+def test_symmetric_types_keep_no_minimums_and_the_file_bytes(kind, m):
+    """Q4_0 (int4.pack, as the loader packs it) and Q5_0 are w = d (q - 8) and d (q - 16): the panels
+    keep only the scales, the kernels (integer and AMX tiles) derive the minimums."""
+    from tokenmill.quant import gguf_blocks, int4
+
+    rng = np.random.default_rng(7)
+    raw = random_blocks(rng, 40, 512, kind)
+    if kind == "Q4_0":
+        w = int4.pack(*gguf_blocks.decode(raw, kind, 512), group_size=32)
+    else:
+        w = kquant.from_blocks(kind, 40, 512, lambda a, b: raw[a:b])
+    assert w.panels.m is None
+    size, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    assert w.panels.nbytes() == 48 * 512 // size * nbytes  # the file's bytes (40 rows padded to 3 panels)
+    x = torch.from_numpy(rng.standard_normal((m, 512)).astype(np.float32))
+    ref = x.double() @ reference(kind, raw, 512).double().t()
+    err = ((w.matmul(x).double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-4 if m == 1 or not kernels.AMX["min_rows"] else 1e-2), err  # tiles: bfloat16 x
 
 
 @pytest.mark.parametrize("kind", kquant.KINDS)

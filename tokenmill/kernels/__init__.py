@@ -26,7 +26,7 @@ from . import build
 from .panels import (AMX, AMX_SMALL, LANES, PACK_ROWS, Int4Panels, Int8Panels, LutPanels, Q4KPanels, Q6KPanels,  # noqa: F401
                      Q23KPanels, StackKind, _panels, amx_rows, fifth_bit_panels, int4_dot_panels, int4_linear,
                      int8_dot_panels, int8_linear, lut_linear, per_panel, q4k_linear, q6k_linear, q23k_linear,
-                     two_bit_panels, unpack_int8, _pad_rows)
+                     symmetric, two_bit_panels, unpack_int8, _pad_rows)
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,10 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, alloc
     if dot_layout() and (k // g) % 32 == 0:
         # float16 scales and minimums: what GGUF, AWQ and GPTQ store; float32 would add a third to
         # the bytes a batch-1 decode streams per weight (4-bit weight + 2 x 32 bits per 32 weights)
+        # symmetric weights (GGUF Q4_0: m = -8 s) keep no minimums: the file's own bytes per weight
+        m = None if symmetric(scale, minimum, 8) else per_panel(minimum).half()
         return Int4Panels(_panels(n, (k // 8, 4 * LANES), torch.uint8, lambda r0, r1: int4_dot_panels(q[r0:r1]), alloc),
-                          per_panel(scale).half(), per_panel(minimum).half(), n, dot=True)
+                          per_panel(scale).half(), m, n, dot=True)
 
     def pairs(r0: int, r1: int) -> torch.Tensor:
         qp = _pad_rows(q[r0:r1].to(torch.uint8))

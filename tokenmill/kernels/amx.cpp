@@ -302,7 +302,6 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, co
   const uint8_t* q = a.data_ptr<uint8_t>();
   if (kind == 3 || kind == 5) {
     const at::Tensor& t1 = need(b, "scales");
-    const at::Tensor& t2 = need(c, "minimums");
     const bool five = d.has_value() && d->defined();
     const uint8_t* qh = five ? d->data_ptr<uint8_t>() : nullptr;
     if (five) check_panel(*d, {P, K / 32, 64}, at::kByte, "fifth bits");
@@ -313,10 +312,12 @@ at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, co
     if (kind == 3) {
       const int64_t G = t1.size(1);
       check_panel(t1, {P, G, kLanes}, at::kHalf, "int4 scales");
-      check_panel(t2, {P, G, kLanes}, at::kHalf, "int4 minimums");
+      const bool sym = !c.has_value() || !c->defined();  // symmetric: m = -8 s (-16 s with fifth bits)
+      if (!sym) check_panel(*c, {P, G, kLanes}, at::kHalf, "int4 minimums");
       TORCH_CHECK(K % G == 0 && (K / G) % 32 == 0, "int4 groups must be whole blocks of 32");
-      run(HalfScales{t1.data_ptr<at::Half>(), t2.data_ptr<at::Half>(), G * kLanes}, K / G);
+      run(HalfScales{t1.data_ptr<at::Half>(), sym ? nullptr : c->data_ptr<at::Half>(), G * kLanes, five ? 16.f : 8.f}, K / G);
     } else {
+      const at::Tensor& t2 = need(c, "minimums");
       TORCH_CHECK(K % 256 == 0, "Q4_K needs K a multiple of 256");
       check_panel(t1, {P, K / 32, 32}, at::kByte, "Q4_K scales");
       check_panel(t2, {P, K / 256, 32}, at::kHalf, "Q4_K super-block scales");

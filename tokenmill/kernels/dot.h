@@ -189,7 +189,8 @@ inline __m512i bcast4(const int8_t* p) {
 }
 
 // Where an int4 tile's per-group scale s and minimum m come from (w = q s + m):
-// HalfScales: float16 s and m per group (Q4_0, Q4_1, AWQ, GPTQ), (P, G, 16) each.
+// HalfScales: float16 s and m per group (Q4_1, AWQ, GPTQ), (P, G, 16) each; without m (symmetric
+// weights: GGUF Q4_0 and Q5_0, w = s (q - off)) m = -off s, exact in float32, off 8 or 16.
 // KScales: GGUF Q4_K super-blocks, exactly: s = d sc and m = -dmin mn, with 6-bit sc and mn per 32
 // inputs held as bytes (P, K/32, [16 sc | 16 mn]) and float16 d and -dmin per 256 inputs (P, K/256,
 // [16 d | 16 -dmin]); float16 times a 6-bit integer is exact in float32. 0.578 bytes per weight
@@ -197,8 +198,9 @@ inline __m512i bcast4(const int8_t* p) {
 struct HalfScales {
   const at::Half *s, *m;
   int64_t stride;  // per panel: G * 16
+  float off = 8.f;
   v16f scale(int j, int64_t g) const { return load_half(s + j * stride + g * kLanes); }
-  v16f min(int j, int64_t g) const { return load_half(m + j * stride + g * kLanes); }
+  v16f min(int j, int64_t g) const { return m ? load_half(m + j * stride + g * kLanes) : scale(j, g) * -off; }
 };
 struct KScales {
   const uint8_t* sm;

@@ -160,8 +160,11 @@ constexpr XForm kInt8X = kHalves;
 struct HalfScales {
   const at::Half *s, *m;
   int64_t stride;
+  float off = 8.f;  // without m: m = -off s
   __m256 scale(int64_t g, int u) const { return load_half8(s + g * kLanes + u * 8); }
-  __m256 min(int64_t g, int u) const { return load_half8(m + g * kLanes + u * 8); }
+  __m256 min(int64_t g, int u) const {
+    return m ? load_half8(m + g * kLanes + u * 8) : _mm256_mul_ps(scale(g, u), _mm256_set1_ps(-off));
+  }
 };
 struct KScales {
   const uint8_t* sm;
@@ -340,14 +343,15 @@ const uint8_t* fifth_bits(const c10::optional<at::Tensor>& qh, int64_t P, int64_
   return qh->data_ptr<uint8_t>();
 }
 
-at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
+at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& m,
                            int64_t N, int64_t bits, int64_t segment, bool partial, const c10::optional<at::Tensor>& qh) {
   check_bits(bits);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kByte && q.size(2) == 64 && q.is_contiguous(),
               "int4 dot weights must be uint8 (P, K/8, 64)");
   const int64_t P = q.size(0), K = q.size(1) * 8, G = s.size(1);
   TORCH_CHECK(G > 0 && K % G == 0 && (K / G) % 32 == 0, "group size must be a multiple of 32 dividing K");
-  check_scales_mins(s, m, P, at::kHalf);
+  const bool sym = !m || !m->defined();  // symmetric: w = s (q - 8), or s (q - 16) with fifth bits
+  check_scales_mins(s, sym ? s : *m, P, at::kHalf);
   check_n(N, P);
   check_x(x, K);
   const int64_t M = x.size(0), group = K / G;
@@ -355,12 +359,12 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, group, bits == 16, kHalves);
   at::Tensor y = output(x, N, partial);
   const uint8_t *qp = q.data_ptr<uint8_t>(), *hp = fifth_bits(qh, P, K);
-  const at::Half *sp = s.data_ptr<at::Half>(), *mp = m.data_ptr<at::Half>();
+  const at::Half *sp = s.data_ptr<at::Half>(), *mp = sym ? nullptr : m->data_ptr<at::Half>();
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const uint8_t* qt = qp + p * K * 8;
-    const HalfScales sc{sp + p * G * kLanes, mp + p * G * kLanes, G * kLanes};
+    const HalfScales sc{sp + p * G * kLanes, mp ? mp + p * G * kLanes : nullptr, G * kLanes, hp ? 16.f : 8.f};
     const YOut yt = out_at(y, r, p * kLanes);
     if (hp && bits == 16) dispatch_dot<Int5Dot16Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid, hp + p * K * 2);
     else if (hp) dispatch_dot<Int5Dot8Tile>(rows, np, xr, K, group, segment, qt, sc, yt, nvalid, hp + p * K * 2);

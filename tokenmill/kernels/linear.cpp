@@ -171,7 +171,7 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def("int4_linear(Tensor x, Tensor q, Tensor s, Tensor m, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor q, Tensor s, int N) -> Tensor");
 #ifdef TOKENMILL_DOT
-  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor m, int N, int bits, int segment=0, bool partial=False, "
+  m.def("int4_linear_dot(Tensor x, Tensor q, Tensor s, Tensor? m, int N, int bits, int segment=0, bool partial=False, "
         "Tensor? qh=None) -> Tensor");
   m.def("int8_linear_dot(Tensor x, Tensor q, Tensor s, int N, int bits, int segment=0, bool partial=False) -> Tensor");
   m.def("q4k_linear_dot(Tensor x, Tensor q, Tensor sm, Tensor dd, int N, int bits, int segment=0, bool partial=False, "

@@ -28,7 +28,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // segment: inputs per float32 partial sum (0: all), summed in float64 (linear.cpp); partial: return
 // those float64 sums (a row-parallel rank's share, added over the ranks before rounding)
 // qh: the fifth bits of 5-bit weights (GGUF Q5_0/Q5_1 with int4_linear_dot, Q5_K with q4k_linear_dot)
-at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const at::Tensor& m,
+// m: float16 minimums, or none for symmetric weights (w = s (q - 8), s (q - 16) with qh)
+at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const c10::optional<at::Tensor>& m,
                            int64_t N, int64_t bits, int64_t segment = 0, bool partial = false,
                            const c10::optional<at::Tensor>& qh = c10::nullopt);
 at::Tensor int8_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t N, int64_t bits,

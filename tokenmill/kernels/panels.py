@@ -82,7 +82,8 @@ class Int4Panels(_Panels):
     """Group-wise int4, w = q * s + m, in 16-row panels (byte layouts: linear.cpp)."""
     q: torch.Tensor   # uint8 (P, K/2, 16), or (P, K/8, 64) in the dot layout
     s: torch.Tensor   # float32 (P, K/group, 16); float16 in the dot layout
-    m: torch.Tensor   # float32 (P, K/group, 16); float16 in the dot layout
+    m: torch.Tensor | None  # float32 (P, K/group, 16); float16 in the dot layout, or None there where the
+                            # weights are symmetric (m = -8 s, -16 s with qh: GGUF Q4_0, Q5_0; `symmetric`)
     out_features: int
     dot: bool = False
     act_bits: int = 16  # dot layout: x rounded to 8- or 16-bit integers per 32 inputs (ACT_BITS)
@@ -182,6 +183,13 @@ class LutPanels(_Panels):
 
     def stack_args(self) -> tuple[StackKind, tuple]:
         return StackKind.LUT, (self.q, self.s, self.d, None)
+
+def symmetric(scale: torch.Tensor, minimum: torch.Tensor, offset: int) -> bool:
+    """Whether every minimum is exactly -offset x its scale, in the float16 the dot layout keeps (GGUF
+    Q4_0 and Q5_0 are): the panels then keep no minimums and the kernels derive them."""
+    s = scale.half()
+    return bool(torch.equal(minimum.half(), s * -offset)) and bool(torch.isfinite(s * offset).all())
+
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     pad = -t.shape[0] % LANES

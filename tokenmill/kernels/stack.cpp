@@ -71,7 +71,7 @@ struct Projection {
       case kInt4: y = int4_linear(xi, q, s, m, n); break;
       case kInt8: y = int8_linear(xi, q, s, n); break;
 #ifdef TOKENMILL_DOT
-      case kInt4Dot: y = int4_linear_dot(xi, q, s, m, n, bits, segment, partial, e); break;
+      case kInt4Dot: y = int4_linear_dot(xi, q, s, m.defined() ? c10::optional<at::Tensor>(m) : c10::nullopt, n, bits, segment, partial, e); break;
       case kInt8Dot: y = int8_linear_dot(xi, q, s, n, bits, segment, partial); break;
       case kQ4K: y = q4k_linear_dot(xi, q, s, m, n, bits, segment, partial, e); break;
       case kQ6K: y = q6k_linear_dot(xi, q, s, m, e, n, bits, segment, partial); break;

@@ -13,7 +13,7 @@ other. The transcoding moves bits, never values.
     Q6_K            Q6KPanels                    0.820  (0.8203)
     Q3_K            Q23KPanels + third bits      0.445  (0.4297)
     Q2_K            Q23KPanels                   0.328  (0.3281)
-    Q5_0, Q5_1      Int4Panels + fifth bits      0.750  (0.6875, 0.75)
+    Q5_0, Q5_1      Int4Panels + fifth bits      0.6875, 0.750  (0.6875, 0.75): Q5_0 symmetric, no minimums
     Q8_0            Int8Panels, block scales     1.0625 (1.0625)
     IQ4_NL          LutPanels                    0.5625 (0.5625)
     IQ4_XS          LutPanels                    0.539  (0.531)
@@ -45,7 +45,7 @@ from tokenmill.utils import huge_page_zeros
 SUPER = ("Q4_K", "Q5_K", "Q6_K", "Q3_K", "Q2_K")  # 256-weight super-blocks
 KINDS = (*SUPER, *gguf_blocks.FIVE_BIT, "Q8_0", *gguf_blocks.LOOKUP)
 # bytes per weight of each kind's panels (the table above): what the memory check counts
-PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.445, "Q2_K": 0.328, "Q5_0": 0.75, "Q5_1": 0.75,
+PACKED_BYTES = {"Q4_K": 0.578, "Q5_K": 0.703, "Q6_K": 0.820, "Q3_K": 0.445, "Q2_K": 0.328, "Q5_0": 0.6875, "Q5_1": 0.75,
                 "Q8_0": 1.0625, "IQ4_NL": 0.5625, "IQ4_XS": 0.539, "MXFP4": 0.531}
 PACK_ROWS = 2048  # rows decoded and packed per step (a multiple of the 16-row panels)
 
@@ -94,7 +94,8 @@ def empty(kind: str, rows: int, cols: int) -> KQuantWeight:
                                    z((p, cols // 16, 16), torch.int8), z((p, cols // 256, 16), torch.half), rows)
     elif kind in gguf_blocks.FIVE_BIT:
         g = cols // gguf_blocks.GROUP
-        panels = kernels.Int4Panels(z((p, cols // 8, 64), torch.uint8), z((p, g, 16), torch.half), z((p, g, 16), torch.half),
+        minimum = z((p, g, 16), torch.half) if kind == "Q5_1" else None  # Q5_0 is symmetric: m = -16 s in the kernel
+        panels = kernels.Int4Panels(z((p, cols // 8, 64), torch.uint8), z((p, g, 16), torch.half), minimum,
                                     rows, dot=True, qh=z((p, cols // 32, 64), torch.uint8))
     elif kind in gguf_blocks.LOOKUP:
         sdtype = {"IQ4_NL": torch.half, "IQ4_XS": torch.int8, "MXFP4": torch.uint8}[kind]
@@ -139,7 +140,9 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
     if kind in gguf_blocks.FIVE_BIT:
         q, scale, minimum = gguf_blocks.decode(raw, kind, w.in_features)
         p.q[at], p.qh[at] = kernels.int4_dot_panels(q), kernels.fifth_bit_panels(q)
-        p.s[at], p.m[at] = kernels.per_panel(scale), kernels.per_panel(minimum)
+        p.s[at] = kernels.per_panel(scale)
+        if p.m is not None:
+            p.m[at] = kernels.per_panel(minimum)
     elif kind in gguf_blocks.LOOKUP:
         q, scale, d = gguf_blocks.decode_lut(raw, kind, w.in_features)
         p.q[at], p.s[at] = kernels.int4_dot_panels(q), kernels.per_panel(scale).to(p.s.dtype)
