@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Smallest paced chunk: below 32 rows a prompt chunk would leave the matrix units' path on CPUs with
-# AMX (kernels.AMX_MIN_ROWS) and cost more per token; a first guess before any mixed step is timed.
+# Smallest paced chunk: a prompt chunk this large stays on the matrix units' path on CPUs with AMX
+# (kernels.AMX_MIN_ROWS and the larger minimum of small products) and costs little more per token
+# than a whole chunk; a first guess before any mixed step is timed.
 MIN_CHUNK = 32
-WEIGHT = 0.5  # of the newest sample in the moving averages: step times vary by ~15 % run to run
+WEIGHT = 0.5  # of the newest sample in the moving averages: step times vary run to run (a noisy VM's)
 
 
 @dataclass

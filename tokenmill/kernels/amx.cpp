@@ -252,7 +252,7 @@ void amx_gemm(const Decoder& dec, const at::BFloat16* xb, int64_t ldx, int64_t M
 }
 
 // x (M, K) float32 -> the first K columns of xb (Mp, ldx) bfloat16, round to nearest even; rows
-// M..Mp zero. Threaded over rows (ATen's copy_ took ~5 % of a prompt chunk).
+// M..Mp zero. Threaded over rows (ATen's copy_ ran on one thread, a visible share of a prompt chunk).
 void to_bf16(const at::Tensor& x, at::Tensor& xb, int64_t Mp) {
   const int64_t M = x.size(0), K = x.size(1), ldx = xb.size(1);
   const float* src = x.data_ptr<float>();

@@ -247,8 +247,8 @@ struct Sum16 {  // 16 float64 lanes: the segment sums of a panel's outputs
 
 // A dot tile is MT rows of x times NP adjacent panels (NP * 16 outputs): each broadcast of x feeds
 // NP weight vectors and each weight vector MT rows, and MT * NP int32 chains run side by side.
-// Measured on this machine's 3072x576 and 576x1536 matrices at 256 rows, one core: 8 bits 5x2
-// ~250 GFLOP/s vs 8x1 ~180; 16 bits 3x2 ~160 vs 4x1 ~115. Only the last panel may be partial.
+// The shapes are the sweep's picks (benchmarks/kernel_bench.py): two panels per tile beat one at
+// either width. Only the last panel may be partial.
 constexpr int kDot8Rows = 5, kDot16Rows = 3, kDotPanels = 2;
 #else
 inline __m256i bcast4(const int8_t* p) {

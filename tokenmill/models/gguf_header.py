@@ -1,8 +1,8 @@
 """A GGUF file's header: its metadata and tensor table, parsed with `struct` in one pass.
 
-Why not gguf-py's GGUFReader: it builds numpy views for every array element, ~8 s for a Llama 3
-vocabulary (128k tokens, 280k merges) where this takes a fraction of a second, and it keeps the
-whole file memory-mapped. Everything a hostile file could declare (string and array lengths, tensor
+Why not gguf-py's GGUFReader: it builds numpy views for every array element, seconds for a Llama 3
+vocabulary (128k tokens, 280k merges) where one pass takes a small fraction of that (RESULTS.md §1,
+ready time), and it keeps the whole file memory-mapped. Everything a hostile file could declare (string and array lengths, tensor
 dimensions) is checked against the file's size before it is read.
 
     magic "GGUF" | version u32 | n_tensors u64 | n_kv u64 | kv pairs | tensor infos | padding | data
