@@ -26,7 +26,7 @@ from . import build
 from .panels import (AMX, AMX_SMALL, LANES, PACK_ROWS, Int4Panels, Int8Panels, LutPanels, Q4KPanels, Q6KPanels,  # noqa: F401
                      Q23KPanels, StackKind, _panels, amx_rows, fifth_bit_panels, int4_dot_panels, int4_linear,
                      int8_dot_panels, int8_linear, lut_linear, per_panel, q4k_linear, q6k_linear, q23k_linear,
-                     symmetric, two_bit_panels, unpack_int8, _pad_rows)
+                     symmetric, unpack_int8, _pad_rows)
 
 logger = logging.getLogger(__name__)
 

@@ -447,6 +447,83 @@ void q6k_pack(const at::Tensor& raw, at::Tensor ql, at::Tensor qh, at::Tensor sc
   });
 }
 
+// Q3_K (110 bytes per 256: hmask[32] | qs[64] | 12 bytes of 6-bit scales | d) and Q2_K (84: 16
+// bytes sc | mn << 4 | qs[64] | d | dmin), hb given for Q3_K. Weight 128h + 32t + r: 2 bits at 2t of
+// qs[32h + r]; Q3_K's third bit at bit 4h + t of hmask[r]. Input 32bb + 8o + 4 half + j of a
+// super-block has h = bb / 4, t = bb % 4 (so 4h + t = bb), r = 8o + 4 half + j: an octet's 4 values
+// sit in 4 consecutive bytes under one shift, as in q6k_pack.
+void q23k_pack(const at::Tensor& raw, at::Tensor q2, at::Tensor sc, at::Tensor d, const at::Tensor* hb, int64_t row0) {
+  const bool three = hb != nullptr;
+  const int64_t bytes = three ? 110 : 84, dl = three ? 16 : 32;
+  const int64_t SB = check_raw(raw, bytes), N = raw.size(0), P = (N + 15) / 16, K = SB * 256, rb = raw.size(1), p0 = row0 / 16;
+  TORCH_CHECK(row0 % 16 == 0, "row0 must start a panel");
+  check_out(q2, p0 + P, at::kByte, "q2"), check_out(sc, p0 + P, three ? at::kChar : at::kByte, "sc");
+  check_out(d, p0 + P, at::kHalf, "d");
+  TORCH_CHECK(q2.size(1) == K / 16 && sc.size(1) == K / 16 && d.size(1) == SB && d.size(2) == dl,
+              "outputs do not match ", K, " inputs");
+  if (three) {
+    check_out(*hb, p0 + P, at::kByte, "hb");
+    TORCH_CHECK(hb->size(1) == K / 32 && hb->size(2) == 64, "hb must be (P, K/32, 64)");
+  }
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t *qp = q2.data_ptr<uint8_t>(), *hp = three ? hb->data_ptr<uint8_t>() : nullptr;
+  uint8_t* sp = static_cast<uint8_t*>(sc.data_ptr());
+  uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  at::parallel_for(0, P, 1, [&](int64_t a, int64_t b) {
+    for (int64_t lp = a; lp < b; ++lp)
+      for (int64_t s = 0; s < SB; ++s) {
+        const int64_t p = p0 + lp;
+        uint8_t* qpan = qp + (p * K / 16 + s * 16) * 64;
+        uint8_t* span = sp + (p * K / 16 + s * 16) * 16;
+        uint16_t* dpan = dp + (p * SB + s) * dl;
+        uint8_t* hpan = three ? hp + (p * K / 32 + s * 8) * 64 : nullptr;
+        for (int i = 0; i < 16; ++i) {
+          if (lp * 16 + i >= N) {  // padding rows: zeros
+            dpan[i] = 0;
+            if (!three) dpan[16 + i] = 0;
+            for (int k = 0; k < 16; ++k) span[k * 16 + i] = 0;
+            for (int k = 0; k < 16; ++k) store32(qpan + k * 64 + i * 4, 0);
+            if (three)
+              for (int bb = 0; bb < 8; ++bb) store32(hpan + bb * 64 + i * 4, 0);
+            continue;
+          }
+          const uint8_t* blk = src + (lp * 16 + i) * rb + s * bytes;
+          const uint8_t* qs = blk + (three ? 32 : 16);
+          if (three) {
+            std::memcpy(&dpan[i], blk + 108, 2);
+            for (int k = 0; k < 16; ++k) {
+              const int ls = ((blk[96 + k % 8] >> (4 * (k / 8))) & 15) | (((blk[104 + k % 4] >> (2 * (k / 4))) & 3) << 4);
+              span[k * 16 + i] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+            }
+          } else {
+            uint16_t dmin;
+            std::memcpy(&dpan[i], blk + 80, 2), std::memcpy(&dmin, blk + 82, 2);
+            dpan[16 + i] = dmin ^ 0x8000;  // -dmin, exactly
+            for (int k = 0; k < 16; ++k) span[k * 16 + i] = blk[k];
+          }
+          for (int bb = 0; bb < 8; ++bb) {
+            for (int half = 0; half < 2; ++half) {
+              uint32_t word = 0;
+              for (int o = 0; o < 4; ++o) word |= ((load32(qs + 32 * (bb / 4) + 8 * o + 4 * half) >> (2 * (bb % 4))) & kTwo) << (2 * o);
+              store32(qpan + (bb * 2 + half) * 64 + i * 4, word);
+            }
+            if (!three) continue;
+            uint32_t word = 0;
+            for (int o = 0; o < 4; ++o)
+              word |= ((load32(blk + 8 * o) >> bb) & kOne) << o | ((load32(blk + 8 * o + 4) >> bb) & kOne) << (4 + o);
+            store32(hpan + bb * 64 + i * 4, word);
+          }
+        }
+      }
+  });
+}
+void q3k_pack(const at::Tensor& raw, at::Tensor q2, at::Tensor sc, at::Tensor d, at::Tensor hb, int64_t row0) {
+  q23k_pack(raw, q2, sc, d, &hb, row0);
+}
+void q2k_pack(const at::Tensor& raw, at::Tensor q2, at::Tensor sc, at::Tensor d, int64_t row0) {
+  q23k_pack(raw, q2, sc, d, nullptr, row0);
+}
+
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
@@ -459,6 +536,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("q4k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, int row0) -> ()");
   m.def("q5k_pack(Tensor raw, Tensor(a!) q, Tensor(b!) sm, Tensor(c!) dd, Tensor(d!) qh, int row0) -> ()");
   m.def("q6k_pack(Tensor raw, Tensor(a!) ql, Tensor(b!) qh, Tensor(c!) sc, Tensor(d!) d, int row0) -> ()");
+  m.def("q3k_pack(Tensor raw, Tensor(a!) q2, Tensor(b!) sc, Tensor(c!) d, Tensor(d!) hb, int row0) -> ()");
+  m.def("q2k_pack(Tensor raw, Tensor(a!) q2, Tensor(b!) sc, Tensor(c!) d, int row0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
@@ -469,4 +548,6 @@ TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("q4k_pack", &tokenmill::q4k_pack);
   m.impl("q5k_pack", &tokenmill::q5k_pack);
   m.impl("q6k_pack", &tokenmill::q6k_pack);
+  m.impl("q3k_pack", &tokenmill::q3k_pack);
+  m.impl("q2k_pack", &tokenmill::q2k_pack);
 }

@@ -153,11 +153,11 @@ class Q6KPanels(_Panels):
 class Q23KPanels(_Panels):
     """GGUF Q3_K, w = d sc (q - 4) with q = lo2 | third << 2, or Q2_K, w = d sc q - dmin mn: 2-bit
     fields, Q3_K's third bits, a scale (and Q2_K's minimum) per 16 inputs (kquant.cpp has the layouts)."""
-    q2: torch.Tensor   # uint8 (P, K/16, 64): the 2-bit fields (two_bit_panels)
+    q2: torch.Tensor   # uint8 (P, K/16, 64): the 2-bit fields
     sc: torch.Tensor   # int8 (P, K/16, 16) sc - 32 (Q3_K); uint8 sc | mn << 4 (Q2_K)
     d: torch.Tensor    # float16 (P, K/256, 16) (Q3_K); (P, K/256, 32) 16 d | 16 -dmin (Q2_K)
     out_features: int
-    hb: torch.Tensor | None = None  # Q3_K: the third bits, uint8 (P, K/32, 64) (fifth_bit_panels(q, bit=2))
+    hb: torch.Tensor | None = None  # Q3_K: the third bits, uint8 (P, K/32, 64), the fifth-bit layout
     act_bits: int = 16
     segment: int = 0
 
@@ -222,24 +222,13 @@ def int4_dot_panels(q: torch.Tensor) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(-1, k // 8, 4 * LANES)
 
 
-def fifth_bit_panels(q: torch.Tensor, bit: int = 4) -> torch.Tensor:
-    """(N, K) integers -> their bits `bit` (4: 5-bit weights; 2: Q3_K's third) as uint8 (P, K/32, 64)
-    (linear.cpp fifth_bits)."""
+def fifth_bit_panels(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) integers 0..31 -> their bits 4 as uint8 (P, K/32, 64) (linear.cpp fifth_bits)."""
     k = q.shape[1]
-    bits = ((_pad_rows(q.to(torch.uint8)) >> bit) & 1).reshape(-1, LANES, k // 32, 4, 2, 4)  # (P, 16, block, o, half, j)
+    bits = ((_pad_rows(q.to(torch.uint8)) >> 4) & 1).reshape(-1, LANES, k // 32, 4, 2, 4)  # (P, 16, block, o, half, j)
     shift = torch.arange(4, dtype=torch.uint8).view(4, 1, 1) + torch.tensor([0, 4], dtype=torch.uint8).view(1, 2, 1)
     packed = (bits << shift).sum(dim=(3, 4), dtype=torch.uint8)                      # (P, 16, block, j)
     return packed.transpose(1, 2).reshape(-1, k // 32, 4 * LANES)
-
-
-def two_bit_panels(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) integers (their low 2 bits) -> uint8 (P, K/16, 64): per block of 32 inputs, input
-    32b + 8o + 4h + j at bits 2o of byte [2b + h, i*4 + j] (kquant.cpp's 2-bit fields)."""
-    k = q.shape[1]
-    v = (_pad_rows(q.to(torch.uint8)) & 3).reshape(-1, LANES, k // 32, 4, 2, 4)  # (P, 16, block, o, half, j)
-    shift = (2 * torch.arange(4, dtype=torch.uint8)).view(4, 1, 1)
-    packed = (v << shift).sum(dim=3, dtype=torch.uint8)                            # (P, 16, block, half, j)
-    return packed.permute(0, 2, 3, 1, 4).reshape(-1, k // 16, 4 * LANES)
 
 
 def int8_dot_panels(q: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Exact decoding of GGUF's 32-weight block types into integers and per-block scales, so that they
 are packed for the kernels without rounding anything again (vectorized numpy: the loader's step
-for these types and for Q3_K/Q2_K; the other K-quants' super-blocks are moved by kquant.cpp instead).
+for these types; the K-quants' super-blocks are moved by kquant.cpp instead).
 
     Q4_0   18 bytes: d (fp16) | 16 bytes of nibbles                 w = d (q - 8)
     Q4_1   20 bytes: d | m (fp16) | 16 bytes                         w = d q + m
@@ -17,8 +17,7 @@ for these types and for Q3_K/Q2_K; the other K-quants' super-blocks are moved by
 Each lookup type's weights are an int8 table value times a scale per 32 inputs that is exact in
 float32 (an IQ4_XS scale is a float16 times a 6-bit integer, an MXFP4 scale a power of two): the
 lookup kernel (kernels/lut.cpp) keeps the 4-bit indices and the file's own scale bits
-(`decode_lut`). Q3_K and Q2_K keep their 2-bit fields, Q3_K's third bits and the per-16 scales
-(`decode_k16`) for kquant.cpp's 16-input sub-block tiles.
+(`decode_lut`).
 """
 from __future__ import annotations
 
@@ -84,33 +83,3 @@ def decode_lut(raw: np.ndarray, kind: str, cols: int) -> tuple[torch.Tensor, tor
     q = _nibbles(blocks[..., head:]).reshape(rows, cols)
     scale = blocks[..., 0].copy() if kind == "MXFP4" else np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].copy()
     return torch.from_numpy(q), torch.from_numpy(scale), None
-
-
-def decode_k16(raw: np.ndarray, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q3_K / Q2_K rows -> q uint8 (rows, cols) (Q3_K 0..7, Q2_K 0..3), the per-16 scale bytes
-    (rows, cols/16) as the kernel holds them (Q3_K int8 sc - 32, Q2_K uint8 sc | mn << 4, the
-    file's) and float16 d (rows, cols/256), Q2_K's d | -dmin (rows, cols/256, 2):
-    Q3_K w = d sc (q - 4), Q2_K w = d sc q - dmin mn, exactly.
-
-    Q3_K, 110 bytes: hmask[32] | qs[64] | 12 bytes of 6-bit scales | d. Weight w = 128h + 32t + r:
-    2 bits (qs[32h + r] >> 2t) & 3, third bit (hmask[r] >> (4h + t)) & 1 (its q - 4 is gguf-py's
-    low bits minus 4 where that bit is clear); scale k of 16: low 4 bits from byte k%8 (shift
-    4 (k/8)), high 2 from byte 8 + k%4 (shift 2 (k/4)).
-    Q2_K, 84 bytes: 16 bytes sc | mn << 4 | qs[64] (as Q3_K's) | d | dmin."""
-    rows = raw.shape[0]
-    three = kind == "Q3_K"
-    sb = raw.reshape(rows, -1, 110 if three else 84)
-    n = sb.shape[1]
-    qs = sb[..., 32:96] if three else sb[..., 16:80]
-    q = ((qs.reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3).reshape(rows, n, 256)
-    if three:
-        q |= (((sb[..., :32].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1) << 2).reshape(rows, n, 256)
-        sc, k = sb[..., 96:108], np.arange(16)
-        ls = ((sc[..., k % 8] >> (4 * (k // 8)).astype(np.uint8)) & 15) | (((sc[..., 8 + k % 4] >> (2 * (k // 4)).astype(np.uint8)) & 3) << 4)
-        scales = (ls.astype(np.int16) - 32).astype(np.int8)
-        d = np.ascontiguousarray(sb[..., 108:110]).view(np.float16)[..., 0]
-    else:
-        scales = sb[..., :16]
-        d = np.ascontiguousarray(sb[..., 80:84]).view(np.float16) * np.array([1, -1], np.float16)  # d, -dmin
-    return (torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1))),
-            torch.from_numpy(np.ascontiguousarray(scales.reshape(rows, -1))), torch.from_numpy(np.ascontiguousarray(d)))

@@ -20,7 +20,7 @@ other. The transcoding moves bits, never values.
     MXFP4           LutPanels                    0.531  (0.531)
 
 Q6_K, Q3_K and Q2_K share kquant.cpp's tiles for 16-input sub-blocks (Q2_K's minimum per 16 is
-its scale's twin there); Q3_K/Q2_K are decoded by numpy (gguf_blocks.decode_k16) and packed here.
+its scale's twin there; kquant.cpp moves their bits too, gguf_blocks.decode_k16 is the readable reference).
 
     Q4_K super-block, 144 bytes: d, dmin (float16) | 12 bytes of 6-bit sc, mn for 8 groups of 32 |
           128 bytes of nibbles (byte 32c + j: weight 64c + j low, 64c + 32 + j high)
@@ -128,15 +128,11 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
         return torch.ops.tokenmill.q5k_pack(_source(raw), p.q, p.sm, p.dd, p.qh, row0)
     if kind == "Q6_K":
         return torch.ops.tokenmill.q6k_pack(_source(raw), p.ql, p.qh, p.sc, p.d, row0)
+    if kind == "Q3_K":
+        return torch.ops.tokenmill.q3k_pack(_source(raw), p.q2, p.sc, p.d, p.hb, row0)
+    if kind == "Q2_K":
+        return torch.ops.tokenmill.q2k_pack(_source(raw), p.q2, p.sc, p.d, row0)
     at = slice(row0 // kernels.LANES, (row0 + raw.shape[0] + kernels.LANES - 1) // kernels.LANES)
-    if kind in ("Q3_K", "Q2_K"):
-        q, sc, d = gguf_blocks.decode_k16(raw, kind)
-        p.q2[at], p.sc[at] = kernels.two_bit_panels(q), _rows_to_panels(sc)
-        dp = _rows_to_panels(d.reshape(d.shape[0], -1))  # Q2_K: (d, -dmin) pairs -> 16 d | 16 -dmin per super-block
-        p.d[at] = dp.view(dp.shape[0], -1, p.d.shape[2])
-        if p.hb is not None:
-            p.hb[at] = kernels.fifth_bit_panels(q, bit=2)
-        return
     if kind in gguf_blocks.FIVE_BIT:
         q, scale, minimum = gguf_blocks.decode(raw, kind, w.in_features)
         p.q[at], p.qh[at] = kernels.int4_dot_panels(q), kernels.fifth_bit_panels(q)
@@ -151,13 +147,6 @@ def _pack(w: KQuantWeight, raw: np.ndarray, row0: int) -> None:
     else:
         q, d = gguf_blocks.decode_q8_0(raw, w.in_features)
         p.q[at], p.s[at] = kernels.int8_dot_panels(q), kernels.per_panel(d).half()
-
-
-def _rows_to_panels(t: torch.Tensor) -> torch.Tensor:
-    """(N, G) per-row values of any dtype -> (P, G, 16), as the panels hold them, in its own dtype (per_panel's are float32)."""
-    pad = -t.shape[0] % kernels.LANES
-    t = torch.cat([t, t.new_zeros(pad, t.shape[1])]) if pad else t
-    return t.reshape(-1, kernels.LANES, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def from_blocks(kind: str, rows: int, cols: int, read) -> KQuantWeight:
