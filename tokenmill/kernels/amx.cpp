@@ -127,7 +127,7 @@ struct Q23KDecoder {
   void operator()(int64_t p, int64_t b, v16f* w) const {
     const int64_t dl = THREE ? 16 : 32;
     const at::Half* dp = d + (p * (K / 256) + (b >> 3)) * dl;
-    const v16f dv = load_half(dp);
+    const v16f dv = load_half(dp), mv = THREE ? v16f{} : load_half(dp + 16);
     const uint8_t* scp = sc + (p * (K / 16) + 2 * b) * kLanes;
     v16f s[2], m[2];
     for (int h = 0; h < 2; ++h) {
@@ -137,7 +137,7 @@ struct Q23KDecoder {
       } else {
         const __m512i sm = _mm512_cvtepu8_epi32(raw);
         s[h] = dv * as_float(_mm512_and_si512(sm, _mm512_set1_epi32(15)));
-        m[h] = load_half(dp + 16) * as_float(_mm512_srli_epi32(sm, 4));
+        m[h] = mv * as_float(_mm512_srli_epi32(sm, 4));
       }
     }
     const uint8_t* hp = q2 + p * K * 4 + b * 128;

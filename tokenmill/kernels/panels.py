@@ -187,8 +187,8 @@ class LutPanels(_Panels):
 def symmetric(scale: torch.Tensor, minimum: torch.Tensor, offset: int) -> bool:
     """Whether every minimum is exactly -offset x its scale, in the float16 the dot layout keeps (GGUF
     Q4_0 and Q5_0 are): the panels then keep no minimums and the kernels derive them."""
-    s = scale.half()
-    return bool(torch.equal(minimum.half(), s * -offset)) and bool(torch.isfinite(s * offset).all())
+    derived = scale.half() * -offset
+    return bool(torch.isfinite(derived).all()) and torch.equal(minimum.half(), derived)
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ other. The transcoding moves bits, never values.
     MXFP4           LutPanels                    0.531  (0.531)
 
 Q6_K, Q3_K and Q2_K share kquant.cpp's tiles for 16-input sub-blocks (Q2_K's minimum per 16 is
-its scale's twin there; kquant.cpp moves their bits too, gguf_blocks.decode_k16 is the readable reference).
+its scale's twin there); kquant.cpp also moves their bits (q6k_pack, q3k_pack, q2k_pack).
 
     Q4_K super-block, 144 bytes: d, dmin (float16) | 12 bytes of 6-bit sc, mn for 8 groups of 32 |
           128 bytes of nibbles (byte 32c + j: weight 64c + j low, 64c + 32 + j high)
