@@ -114,7 +114,7 @@ def test_a_wheel_install_builds_and_loads_the_kernels_after_an_interrupted_first
                           "import tokenmill.kernels as k; print(k.available())"], cwd=tmp_path, env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    ours = str(pathlib.Path(site) / "tokenmill" / "kernels")  # not another build's compiler
+    ours = str(tmp_path / "cache")  # its build folder: not another build's compiler
     while not _live_processes_mentioning("cc1plus", ours) and time.monotonic() < deadline:
         time.sleep(0.2)
     p.send_signal(signal.SIGINT)
@@ -184,14 +184,11 @@ def test_the_build_time_limit_must_be_a_positive_number(monkeypatch):
     assert build.build_timeout() == 30.0
 
 
-def test_the_torch_headers_are_precompiled_once_for_every_source(tmp_path, monkeypatch):
-    """The build parses PyTorch's headers once (a precompiled header made with the sources' own
-    flags) instead of once per source; a compiler that cannot make one leaves the sources to
-    parse them themselves."""
-    isa = build.requested()
-    flags = build._precompiled_header("probe", isa, tmp_path)
-    assert flags == ["-include", str(tmp_path / "torch_headers.h")]
-    assert (tmp_path / "torch_headers.h.gch").stat().st_size > 0
-    (tmp_path / "x").mkdir()
-    monkeypatch.setenv("CXX", "false")
-    assert build._precompiled_header("probe", isa, tmp_path / "x") == []
+def test_the_sources_compile_as_two_units_that_include_each_source_once(tmp_path):
+    """Two translation units parse PyTorch's headers twice where one per source parsed them eleven
+    times; together they include every packaged source exactly once, by absolute path."""
+    units = build.unity_sources(tmp_path)
+    assert len(units) == 2 and all(u.parent == tmp_path for u in units)
+    included = [line.split('"')[1] for u in units for line in u.read_text().splitlines()]
+    assert sorted(included) == sorted(str(s) for s in build.SOURCES)
+    assert sorted(s.name for s in build.SOURCES) == sorted(p.name for p in build.HERE.glob("*.cpp"))

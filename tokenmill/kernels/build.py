@@ -29,9 +29,14 @@ import time
 logger = logging.getLogger("tokenmill.kernels")
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = [HERE / f for f in ("linear.cpp", "dot_linear.cpp", "kquant.cpp", "lut.cpp", "attention.cpp",
-                              "context_attention.cpp", "pointwise.cpp", "stack.cpp", "shm.cpp", "amx.cpp",
-                              "amx_attention.cpp")]
+# The sources compiled as two translation units that #include them (a "unity" build). Parsing
+# PyTorch's headers is most of a small source's compile: eleven units parsed them eleven times
+# (or loaded a precompiled header of them, itself a serial step as long as two sources); two
+# parse them twice, and ninja builds both at once on a 2-core machine. The partition is fixed,
+# not sized to the machine, so that every machine builds the same binary for the same cache name.
+UNITS = (("dot_linear.cpp", "kquant.cpp", "linear.cpp", "shm.cpp", "amx.cpp"),
+         ("stack.cpp", "lut.cpp", "attention.cpp", "context_attention.cpp", "pointwise.cpp", "amx_attention.cpp"))
+SOURCES = [HERE / f for unit in UNITS for f in unit]
 HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h", "amx.h")]
 
 _AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt")
@@ -253,40 +258,22 @@ def _compile_in_process(isa: str, work: pathlib.Path) -> pathlib.Path:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     from torch.utils import cpp_extension
-    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], build_directory=str(work),
-                       extra_cflags=_cflags(isa) + _precompiled_header(name, isa, work), extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    cpp_extension.load(name=name, sources=[str(u) for u in unity_sources(work)], build_directory=str(work),
+                       extra_cflags=_cflags(isa), extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     target = cache_dir() / f"{name}.so"
     os.replace(work / f"{name}.so", target)
     return target
 
 
-# the PyTorch headers the sources include: parsing them is about half of each source's compile
-_TORCH_HEADERS = ("ATen/ATen.h", "ATen/Parallel.h", "ATen/core/dispatch/Dispatcher.h", "torch/library.h",
-                  "torch/custom_class.h")
-
-
-def _precompiled_header(name: str, isa: str, work: pathlib.Path) -> list[str]:
-    """Flags that make every source start from the PyTorch headers parsed once (a GCC precompiled
-    header, compiled with exactly the flags torch's extension builder gives the sources), or []
-    where the compiler cannot make one: the sources then parse the headers themselves, as a
-    compiler also does silently when it finds the header unusable."""
-    import subprocess
-    import sysconfig
-    from torch.utils import cpp_extension
-    header = work / "torch_headers.h"
-    if any(c.isspace() for c in str(header)):  # the flag goes into a ninja file unquoted
-        return []
-    header.write_text("#pragma once\n" + "".join(f"#include <{h}>\n" for h in _TORCH_HEADERS))
-    includes = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include", scheme="posix_prefix")]
-    flags = [f"-DTORCH_EXTENSION_NAME={name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
-             *(f for inc in includes for f in ("-isystem", inc)), "-fPIC", "-std=c++20", *_cflags(isa)]
-    cmd = [os.environ.get("CXX", "c++"), *flags, "-x", "c++-header", str(header), "-o", f"{header}.gch"]
-    try:
-        made = subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        made = False
-    return ["-include", str(header)] if made else []
+def unity_sources(work: pathlib.Path) -> list[pathlib.Path]:
+    """Writes the translation units of UNITS into `work`; each includes its sources by absolute
+    path, so the compiler's messages still name the source file and line."""
+    units = []
+    for i, names in enumerate(UNITS):
+        unit = work / f"unit{i}.cpp"
+        unit.write_text("".join(f'#include "{HERE / n}"\n' for n in names))
+        units.append(unit)
+    return units
 
 
 def main(argv: list[str] | None = None) -> int:
