@@ -34,11 +34,15 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/tokenmill chat
 
+# two workers, each taking whole files (a file's module fixtures, its server or model, load once), the
+# longest files first (tests/conftest.py): a 2-core machine's second core otherwise idles while one
+# test waits on its server
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q --durations=30
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 test-fast: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
 
 # the long soak (the suite runs a short one): mixed load, disconnects, preemption; figures in soak.json
 SOAK_REQUESTS ?= 3000

@@ -8,6 +8,20 @@ import torch
 
 from tokenmill.utils import default_model_path
 
+# `make test` hands whole files to two workers (pytest-xdist --dist loadfile --no-loadscope-reorder)
+# in collection order: the longest files go first, so that no long file is left to run alone at the
+# end while the other worker idles (--durations in a `make test` run says which these are)
+LONGEST_FIRST = ("test_kernel_build.py", "test_e2e_default_model.py", "test_soak.py", "test_container.py",
+                 "test_tensor_parallel.py", "test_reliability.py", "test_compress.py", "test_speculative.py",
+                 "test_server.py", "test_fuzz.py", "test_router.py", "test_prefix_caching_e2e.py",
+                 "test_model_families.py", "test_structured.py", "test_qat.py")
+
+
+def pytest_collection_modifyitems(items):
+    """A stable sort by file: each file's tests stay together and in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2)
 
