@@ -153,8 +153,9 @@ def test_constrained_outputs_of_the_real_model_validate(llm):
 
     schemas = []
 
+    # the same 32 schemas every run: a failure reproduces
     @settings(max_examples=32, database=None, phases=[Phase.generate], suppress_health_check=list(HealthCheck),
-              deadline=None)
+              deadline=None, derandomize=True)
     @given(from_schema(META_SCHEMA).map(_fix_required))
     def draw(schema):
         schemas.append(schema)
@@ -173,3 +174,31 @@ def test_constrained_outputs_of_the_real_model_validate(llm):
                                                      for i in range(16)], use_tqdm=False)
     for i, out in enumerate(outs):
         assert re.fullmatch(patterns[i % 4], out.outputs[0].text), out.outputs[0].text
+
+
+def test_a_schema_as_clients_send_it_closes_at_temperature_1(llm):
+    """The schema a client sends for a small pydantic model (no additionalProperties, no
+    whitespace settings), the default model at temperature 1 with 120 tokens: objects closed and
+    whitespace bounded by default, the answer ends valid in at least 29 of 30 seeds."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "title": "City",
+              "properties": {"name": {"type": "string", "maxLength": 24}, "country": {"type": "string", "maxLength": 24},
+                             "population": {"type": "integer"}, "coastal": {"type": "boolean"}},
+              "required": ["name", "country", "population", "coastal"]}
+    prompt = llm.get_tokenizer().apply_chat_template(
+        [{"role": "user", "content": "Describe a city as JSON with its name, country, population and whether it is "
+                                     "coastal."}])
+    outs = llm.generate([prompt] * 30, [SamplingParams(temperature=1.0, seed=i, max_tokens=120,
+                                                       structured_outputs={"json": schema}) for i in range(30)],
+                        use_tqdm=False)
+    valid = 0
+    for out in outs:
+        try:
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+            valid += out.outputs[0].finish_reason == "stop"
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    assert valid >= 29, [o.outputs[0].text for o in outs]

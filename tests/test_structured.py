@@ -15,6 +15,7 @@ from tokenmill.sampling_params import StructuredOutputsParams
 
 # JSON schemas, described as a JSON schema whose instances hypothesis-jsonschema draws: objects,
 # arrays, enums, nesting, required/optional properties, string patterns, bounded numbers. Strings,
+# numbers (a multiple of 0.25: JSON Schema has no other bound on a fraction's digits),
 # arrays and integers are bounded so that a sampled output ends within max_tokens (an unbounded
 # integer lets a model at temperature 1 write digits until it runs out).
 _LEAF = {"anyOf": [
@@ -29,8 +30,9 @@ _LEAF = {"anyOf": [
                                       "maximum": {"type": "integer", "minimum": 1, "maximum": 500}},
      "required": ["type", "maximum"], "additionalProperties": False},
     {"type": "object", "properties": {"type": {"const": "number"}, "minimum": {"const": 0},
-                                      "maximum": {"type": "integer", "minimum": 1, "maximum": 100}},
-     "required": ["type", "minimum", "maximum"], "additionalProperties": False},
+                                      "maximum": {"type": "integer", "minimum": 1, "maximum": 100},
+                                      "multipleOf": {"const": 0.25}},
+     "required": ["type", "minimum", "maximum", "multipleOf"], "additionalProperties": False},
     {"type": "object", "properties": {"type": {"const": "boolean"}}, "required": ["type"],
      "additionalProperties": False},
     {"type": "object", "properties": {"enum": {"type": "array", "minItems": 1, "maxItems": 4, "uniqueItems": True,
@@ -149,6 +151,50 @@ def test_bad_constraints_are_refused_before_anything_runs(tiny):
         with pytest.raises(ValueError, match=words):
             SamplingParams(logit_bias=bias)
     assert not engine.has_unfinished_requests()
+
+
+def _accepts(tiny, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether the constraint's matcher takes `text` whole and may end there (the byte tokenizer:
+    one token per byte, its id the byte)."""
+    matcher = tiny.engine.grammars.matcher(spec)
+    return all(matcher.consume_token(b) for b in text.encode()) and matcher.is_accepting()
+
+
+def test_objects_admit_only_their_listed_properties_unless_opened(tiny):
+    """An object schema that lists properties and says nothing of others admits only those (vLLM's
+    default; clients send pydantic schemas so): at every depth, in $defs, not in allOf's parts.
+    disable_additional_properties=False or the schema's own additionalProperties opens them."""
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name"]}
+    schema = {"type": "object", "properties": {"people": {"type": "array", "items": {"$ref": "#/$defs/P"}}},
+              "$defs": {"P": person}}
+    closed = StructuredOutputsParams(json=schema)
+    assert _accepts(tiny, closed, '{"people": [{"name": "a", "age": 3}]}')
+    assert not _accepts(tiny, closed, '{"people": [{"name": "a", "extra": 1}]}')
+    assert not _accepts(tiny, closed, '{"people": [], "more": true}')
+    opened = StructuredOutputsParams(json=schema, disable_additional_properties=False)
+    assert _accepts(tiny, opened, '{"people": [{"name": "a", "extra": 1}], "more": true}')
+    explicit = StructuredOutputsParams(json={**person, "additionalProperties": {"type": "integer"}})
+    assert _accepts(tiny, explicit, '{"name": "a", "n": 1}') and not _accepts(tiny, explicit, '{"name": "a", "n": "x"}')
+    parts = StructuredOutputsParams(json={"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                                                    {"type": "object", "properties": {"b": {"type": "integer"}}}]})
+    assert _accepts(tiny, parts, '{"a": 1, "b": 2}')
+    named = StructuredOutputsParams(json={"type": "object", "properties": {"properties": {"type": "integer"}}})
+    assert _accepts(tiny, named, '{"properties": 1}') and not _accepts(tiny, named, '{"x": 1}')
+    assert schema["$defs"]["P"] == person and "additionalProperties" not in schema  # the caller's dict untouched
+
+
+def test_json_whitespace_is_bounded_by_default(tiny):
+    """Between JSON tokens at most one newline and an indent (llama.cpp's grammars' bound): a
+    sampled model cannot pad until max_tokens. whitespace_pattern and disable_any_whitespace as before."""
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "array"}}})
+    assert _accepts(tiny, spec, '{"a":[1,2]}') and _accepts(tiny, spec, '{\n  "a": [\n    1,\n    2\n  ]\n}')
+    assert not _accepts(tiny, spec, '{\n\n  "a": [1]}') and not _accepts(tiny, spec, '{' + ' ' * 40 + '"a": [1]}')
+    wide = StructuredOutputsParams(json=spec.json, whitespace_pattern=r"[ \n]*")
+    assert _accepts(tiny, wide, '{\n\n\n  "a": [1]}')
+    compact = StructuredOutputsParams(json=spec.json, disable_any_whitespace=True)
+    assert _accepts(tiny, compact, '{"a":[1]}') and not _accepts(tiny, compact, '{"a": [1]}')
+    assert not _accepts(tiny, StructuredOutputsParams(json_object=True), '{' + '\n' * 3 + '}')
 
 
 def test_logit_bias_bans_and_forces_tokens(tiny):

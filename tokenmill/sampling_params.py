@@ -32,8 +32,10 @@ class StructuredOutputsParams:
     one of a JSON schema (`json`, a dict or its JSON text), any JSON object (`json_object`), a
     regular expression (`regex`), one string out of a list (`choice`) or a grammar (`grammar`: Lark
     syntax, or llama.cpp's GBNF — a grammar defining `root ::=` is read as GBNF).
-    `disable_any_whitespace`: JSON without whitespace between tokens (the compact form; small models
-    otherwise sometimes pad with newlines until max_tokens)."""
+    `disable_any_whitespace`: JSON without whitespace between tokens (the compact form); otherwise
+    `whitespace_pattern`, by default at most one newline and an indent per gap (structured/grammar.py).
+    `disable_additional_properties` (vLLM's name, default true): an object schema that lists its
+    properties and says nothing of others admits only those (structured/schema.py)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
@@ -41,6 +43,7 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     disable_any_whitespace: bool = False
     whitespace_pattern: str | None = None  # JSON: the regex whitespace between tokens must match
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
@@ -68,8 +71,10 @@ class StructuredOutputsParams:
             if (not isinstance(self.choice, list) or not self.choice or len(self.choice) > MAX_CHOICES
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings.")
-        if self.json_object not in (None, True, False) or not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError("structured_outputs.json_object and disable_any_whitespace must be booleans.")
+        if (self.json_object not in (None, True, False) or not isinstance(self.disable_any_whitespace, bool)
+                or not isinstance(self.disable_additional_properties, bool)):
+            raise ValueError("structured_outputs.json_object, disable_any_whitespace and disable_additional_properties "
+                             "must be booleans.")
         if self.whitespace_pattern is not None and (not isinstance(self.whitespace_pattern, str)
                                                     or len(self.whitespace_pattern) > 1024):
             raise ValueError("structured_outputs.whitespace_pattern must be a regex of at most 1024 characters.")
@@ -79,7 +84,8 @@ class StructuredOutputsParams:
         """What identifies the compiled grammar (the cache key; computed once: a schema may be
         large, and the server, the engine and the runner each look it up)."""
         return json.dumps([self.json, self.regex, self.choice, self.grammar, bool(self.json_object),
-                           self.disable_any_whitespace, self.whitespace_pattern], sort_keys=True)
+                           self.disable_any_whitespace, self.whitespace_pattern, self.disable_additional_properties],
+                          sort_keys=True)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 whichever field carries it) and prompt token ids (on a worker thread, bounded before tokenizing)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
@@ -34,6 +35,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 _BACKENDS = {None, "auto", "guidance", "llguidance"}
+_SO_FIELDS = {f.name for f in dataclasses.fields(StructuredOutputsParams)}
 
 
 def structured_outputs(req) -> StructuredOutputsParams | None:
@@ -53,13 +55,15 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
         if fmt is not None:
             return response_format(fmt)
         if so is not None:
+            unknown = sorted(set(so) - _SO_FIELDS)
+            if unknown:
+                raise APIError(400, f"structured_outputs.{unknown[0]:.60} is not a field tokenmill takes; it takes "
+                                    f"{', '.join(sorted(_SO_FIELDS))}", param=f"structured_outputs.{unknown[0]:.60}")
             return StructuredOutputsParams(**so)
         if guided:
             return StructuredOutputsParams(**guided, whitespace_pattern=req.guided_whitespace_pattern)
         if req.guided_whitespace_pattern is not None:
             raise ValueError("guided_whitespace_pattern needs guided_json")
-    except TypeError as e:  # an unknown field of structured_outputs
-        raise APIError(400, f"structured_outputs: {e}", param="structured_outputs") from None
     except ValueError as e:
         raise APIError(400, str(e), param=given[0] if given else None) from None
     return None

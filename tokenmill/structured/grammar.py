@@ -23,8 +23,13 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.schema import close_objects
 
 CACHE_SIZE = 256
+# JSON's whitespace between tokens by default: at most one newline and an indent (llama.cpp's
+# schema grammars bound it alike). Unbounded, a model sampled at temperature 1 pads with newlines
+# and spaces until max_tokens; bounded, every gap still admits pretty-printed JSON.
+BOUNDED_WHITESPACE = r"\n?[ \t]{0,20}"
 _GBNF_RULE = re.compile(r"^\s*root\s*::=", re.MULTILINE)
 
 
@@ -33,8 +38,10 @@ def to_grammar(spec: StructuredOutputsParams) -> str:
     options = {"whitespace_flexible": not spec.disable_any_whitespace}
     if spec.whitespace_pattern is not None:
         options["whitespace_pattern"] = spec.whitespace_pattern
+    elif not spec.disable_any_whitespace:
+        options["whitespace_pattern"] = BOUNDED_WHITESPACE
     if spec.json is not None:
-        schema = spec.json
+        schema = close_objects(spec.json) if spec.disable_additional_properties else spec.json
         return llguidance.LLMatcher.grammar_from_json_schema(schema if isinstance(schema, dict) else
                                                             json.dumps(schema), defaults=options)
     if spec.json_object:
