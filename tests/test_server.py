@@ -446,12 +446,18 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
 def _reassemble(chunks) -> tuple[list[dict], str | None]:
+    """The calls a client rebuilds from the chunks, checking OpenAI's shape on the way: one entry
+    per call index in a chunk (a client may read only `tool_calls[0]`), the first with id and name."""
     calls: dict[int, dict] = {}
     finish = None
     for c in chunks:
         if not c.choices:
             continue
-        for d in c.choices[0].delta.tool_calls or []:
+        entries = c.choices[0].delta.tool_calls or []
+        assert len({d.index for d in entries}) == len(entries), entries
+        for d in entries:
+            if d.index not in calls:
+                assert d.id and d.type == "function" and d.function.name, d
             call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
             call["id"] = call["id"] or d.id
             if d.function is not None:

@@ -63,12 +63,12 @@ class ToolStream:
         content = ""
         pieces: list[dict] = []
         if self.plan.forced and isinstance(self.plan.choice, dict):  # a named function: arguments stream as written
-            if self.named_id is None and (text or final):
+            if self.named_id is None and (text or final):  # the call's first chunk: id, name and text so far
                 self.named_id = T.ToolCall(self.plan.choice["function"]["name"], "").id
                 pieces.append({"index": 0, "id": self.named_id, "type": "function",
-                               "function": {"name": self.plan.choice["function"]["name"], "arguments": ""}})
+                               "function": {"name": self.plan.choice["function"]["name"], "arguments": text}})
                 self.num_calls = 1
-            if text:
+            elif text:
                 pieces.append({"index": 0, "function": {"arguments": text}})
         elif self.plan.forced:  # required: a JSON list of calls, read when complete
             self.text += text
@@ -81,10 +81,9 @@ class ToolStream:
                 content, calls = content + more_content, calls + more_calls
         else:
             content = text
-        for c in calls:
+        for c in calls:  # one entry per call and chunk, as OpenAI streams them
             pieces.append({"index": self.num_calls, "id": c.id, "type": "function",
-                           "function": {"name": c.name, "arguments": ""}})
-            pieces.append({"index": self.num_calls, "function": {"arguments": c.arguments}})
+                           "function": {"name": c.name, "arguments": c.arguments}})
             self.num_calls += 1
         out: dict = {}
         if content:
