@@ -503,7 +503,8 @@ def test_a_tool_result_fed_back_renders_and_answers(client):
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"best_of": 3}, "best_of"), ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"best_of": 3}, "best_of"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"verbosity": 3}, "verbosity"), ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
     ({"frobnicate": True}, "frobnicate"),
 ])
 def test_refused_tool_and_unknown_fields(server, client, body, param):
@@ -512,8 +513,26 @@ def test_refused_tool_and_unknown_fields(server, client, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     ok = httpx.post(server + "/v1/chat/completions", headers=headers(),
                     json={"model": MODEL, "messages": ASK, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
-                          "store": False, "parallel_tool_calls": True})
+                          "store": False, "parallel_tool_calls": True, "reasoning_effort": "low", "verbosity": "low",
+                          "prompt_cache_retention": "24h", "stream_options": None})
     assert ok.status_code == 200, ok.text
+
+
+def test_reasoning_effort_sets_the_templates_thinking_switch():
+    """reasoning_effort reaches the template as itself and, where the template has Qwen3's
+    enable_thinking, as that switch; the request's own chat_template_kwargs win."""
+    from tokenmill.server import params
+    from tokenmill.server.protocol import ChatCompletionRequest
+
+    def kwargs(template, **fields):
+        return params.template_kwargs(ChatCompletionRequest(messages=ASK, **fields), template)
+
+    qwen3 = "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>{% endif %}"
+    assert kwargs(qwen3) is None and kwargs(qwen3, chat_template_kwargs={"x": 1}) == {"x": 1}
+    assert kwargs(qwen3, reasoning_effort="minimal") == {"reasoning_effort": "minimal", "enable_thinking": False}
+    assert kwargs(qwen3, reasoning_effort="high") == {"reasoning_effort": "high", "enable_thinking": True}
+    assert kwargs(qwen3, reasoning_effort="none", chat_template_kwargs={"enable_thinking": True})["enable_thinking"]
+    assert kwargs("{{ messages }}", reasoning_effort="low") == {"reasoning_effort": "low"}
 
 
 def test_reasoning_parser_splits_thinking_from_the_answer():
@@ -541,7 +560,7 @@ def test_reasoning_parser_splits_thinking_from_the_answer():
 @pytest.mark.parametrize("field,value", [
     ("suffix", "tail"), ("audio", {"voice": "alloy"}), ("modalities", ["text", "audio"]),
     ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 2), ("reasoning_effort", "low")])
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("best_of", 2)])
 def test_every_unimplemented_field_is_refused_by_name(server, field, value):
     path, body = ("/v1/completions", {"prompt": "x"}) if field in ("suffix", "best_of") else \
         ("/v1/chat/completions", {"messages": ASK})

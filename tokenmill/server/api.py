@@ -22,7 +22,8 @@ from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, install_handlers
 from tokenmill.server.guard import Guard, cache_salt, error_response
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.params import chat_ids, completion_prompts, conversation, prompt_ids, sampling_params
+from tokenmill.server.params import (chat_ids, completion_prompts, conversation, prompt_ids, sampling_params,
+                                     template_kwargs)
 from tokenmill.server.responses import Usage, chat_logprobs, completion_logprobs, timings
 from tokenmill.server.streaming import chat_stream, collect_all, completion_stream, sse, start_all, until_disconnected
 from tokenmill.server.tool_plan import ToolPlan
@@ -143,7 +144,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         # a constrained output (forced tool call) is the constraint's from its first token: no thinking
         thinking = None if calls.forced else config.reasoning_parser
         ids = await off_loop(chat_ids, tok, conversation(req.messages), req.add_generation_prompt,
-                             req.chat_template_kwargs, req.tools, req.split_special_tokens, client.max_model_len)
+                             template_kwargs(req, tok.chat_template), req.tools, req.split_special_tokens,
+                             client.max_model_len)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, client.max_model_len - len(ids))

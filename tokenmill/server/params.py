@@ -125,6 +125,20 @@ def chat_ids(tok, conv: list[dict], add_generation_prompt: bool, kwargs, tools, 
         raise APIError(400, str(e), param=param) from None
 
 
+def template_kwargs(req, chat_template: str | None) -> dict | None:
+    """The chat template's variables: the request's chat_template_kwargs, and reasoning_effort both
+    as a variable (templates that read it, as gpt-oss's does) and, for a template with Qwen3's
+    `enable_thinking` switch, as that switch ("none" and "minimal" turn thinking off) unless the
+    request sets the switch itself."""
+    effort, given = req.reasoning_effort, dict(req.chat_template_kwargs or {})
+    if effort is None:
+        return req.chat_template_kwargs
+    derived = {"reasoning_effort": effort}
+    if chat_template and "enable_thinking" in chat_template:
+        derived["enable_thinking"] = effort not in ("none", "minimal")
+    return {**derived, **given}
+
+
 def conversation(messages: list[P.ChatMessage]) -> list[dict]:
     """The request's messages as the template sees them (roles checked, text parts joined)."""
     allowed = {"system", "user", "assistant", "tool", "developer"}

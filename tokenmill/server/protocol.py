@@ -13,7 +13,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted, no effect: tokenmill pads no stream events
 
 
 def _refuse(what: str):
@@ -56,6 +58,7 @@ class _SamplingFields(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None      # prefix caching is automatic
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None  # likewise; blocks live while they fit
     safety_identifier: str | None = None
     priority: int = 0  # lower goes first under --scheduling-policy priority; ignored under fcfs
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # prefix-cache namespace (vLLM)
@@ -140,7 +143,9 @@ class ChatCompletionRequest(_SamplingFields):
     web_search_options: Annotated[dict[str, Json] | None, AfterValidator(_refuse("web search"))] = None
     functions: Annotated[list[dict[str, Json]] | None, AfterValidator(_refuse("functions (use tools)"))] = None
     function_call: Annotated[str | dict[str, Json] | None, AfterValidator(_refuse("function_call (use tools)"))] = None
-    reasoning_effort: Annotated[str | None, AfterValidator(_refuse("reasoning_effort"))] = None
+    # the template's thinking switch where it has one (params.template_kwargs); otherwise no effect
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted, no effect: the model's own length
 
     @field_validator("modalities")
     @classmethod
