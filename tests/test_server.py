@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -30,19 +31,33 @@ def start_server(*extra: str, env_key: str | None = None, port: int | None = Non
     env = {**os.environ, **(env_extra or {})}
     if env_key:
         env["TOKENMILL_API_KEY"] = env_key
+    # its log to a file, not a pipe: a pipe nobody reads while the server runs fills (64 KiB of
+    # warnings, Ray's actor logs) and the server then blocks on its next log line
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "serve", "--port",
                              str(port), "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-memory",
-                             "512MiB", *extra], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "512MiB", *extra], env=env, stdout=subprocess.DEVNULL, stderr=log)
+    proc.log_file = log
     base = f"http://127.0.0.1:{port}"
     return wait_up(proc, base, 180), base
 
 
+def server_log(proc: subprocess.Popen) -> str:
+    """What a server wrote to stderr so far (start_server's log file, or a pipe once it ended)."""
+    log = getattr(proc, "log_file", None)
+    if log is not None:
+        log.seek(0)
+        return log.read().decode(errors="replace")
+    return proc.stderr.read().decode(errors="replace") if proc.stderr is not None else ""
+
+
 def wait_up(proc: subprocess.Popen, base: str, seconds: float) -> subprocess.Popen:
-    """`proc` once `base`/health answers 200; its stderr in the error if it exits first."""
+    """`proc` once `base`/health answers 200; its stderr in the error if it exits first or never
+    comes up (then killed first)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode())
+            raise RuntimeError(server_log(proc))
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 return proc
@@ -50,7 +65,8 @@ def wait_up(proc: subprocess.Popen, base: str, seconds: float) -> subprocess.Pop
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError(f"{base} did not come up within {seconds:g} s")
+    proc.wait(timeout=30)
+    raise RuntimeError(f"{base} did not come up within {seconds:g} s; its stderr ends:\n{server_log(proc)[-3000:]}")
 
 
 @pytest.fixture(scope="module")
