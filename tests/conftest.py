@@ -8,9 +8,9 @@ import torch
 
 from tokenmill.utils import default_model_path
 
-# `make test` hands whole files to two workers (pytest-xdist --dist loadfile --no-loadscope-reorder)
-# in collection order: the longest files go first, so that no long file is left to run alone at the
-# end while the other worker idles (--durations in a `make test` run says which these are)
+# `TEST_WORKERS=2 make test` hands whole files to two workers (pytest-xdist --dist loadfile
+# --no-loadscope-reorder) in collection order: the longest files go first, so that no long file is
+# left to run alone at the end while the other worker idles (--durations says which these are)
 LONGEST_FIRST = ("test_kernel_build.py", "test_e2e_default_model.py", "test_soak.py", "test_container.py",
                  "test_tensor_parallel.py", "test_reliability.py", "test_compress.py", "test_speculative.py",
                  "test_server.py", "test_fuzz.py", "test_router.py", "test_prefix_caching_e2e.py",
