@@ -94,7 +94,10 @@ def assert_same(a, b, tol: float | None) -> None:
 
 @pytest.mark.parametrize("chunk", [256, 8], ids=["whole-prompts", "chunked-prefill"])
 def test_tp2_equals_tp1_float32(tiny_model, chunk, integer_kernels):
-    kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=chunk)
+    # one thread per rank and for the reference: float32 GEMMs round by how they split over threads,
+    # and the thread governor (engine/threads.py) changes a TP=1 engine's count when a core is busy
+    kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=chunk,
+              threads=1)
     ref, _ = run(tiny_model, 1, **kw)
     got, engine = run(tiny_model, 2, **kw)
     assert engine.runner.model.cfg.num_kv_heads == 1   # rank 0 held half the model
@@ -282,7 +285,7 @@ def ray_cluster():
 def test_ray_backend_equals_tp1(tiny_llama, ray_cluster, integer_kernels):
     import ray
 
-    kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB")
+    kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB", threads=1)  # as above
     ref, _ = run(tiny_llama, 1, **kw)
     got, engine = run(tiny_llama, 2, distributed_executor_backend="ray", **kw)
     assert_same(ref, got, 1e-4)
@@ -349,7 +352,7 @@ def test_speculative_decoding_under_tp(tiny_llama, method, integer_kernels):
     if method == "draft_model":
         spec["model"] = tiny_llama
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], PROMPTS[0]]
-    kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB")
+    kw = dict(dtype="float32", kv_cache_dtype="float32", kv_cache_memory="64MiB", threads=1)  # as above
     ref, _ = run(tiny_llama, 1, prompts, **kw)
     got, engine = run(tiny_llama, 2, prompts, speculative_config=spec, **kw)
     assert sum(o.metrics.num_draft_tokens for o in got) > 0   # drafts were verified by the sharded target
