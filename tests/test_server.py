@@ -521,7 +521,7 @@ def test_a_tool_result_fed_back_renders_and_answers(client):
     ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"best_of": 3}, "best_of"), ({"reasoning_effort": "extreme"}, "reasoning_effort"),
     ({"verbosity": 3}, "verbosity"), ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
-    ({"frobnicate": True}, "frobnicate"),
+    ({"frobnicate": True}, "frobnicate"), ({"continue_final_message": True}, "continue_final_message"),
 ])
 def test_refused_tool_and_unknown_fields(server, client, body, param):
     r = httpx.post(server + "/v1/chat/completions", headers=headers(),
@@ -568,6 +568,28 @@ def test_reasoning_parser_splits_thinking_from_the_answer():
                 reasoning += (chunk.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
                 content += chunk.choices[0].delta.content or ""
         assert (reasoning, content) == (m.model_extra["reasoning_content"], m.content)
+        # Anthropic's Messages API: the same split as thinking blocks (without the regex the whole
+        # output is thinking, as deepseek_r1 reads an output that never closes </think>)
+        import anthropic
+        plain = dict(model=MODEL, messages=kw["messages"], max_tokens=16)
+        thought = client.chat.completions.create(**plain, temperature=0).choices[0].message
+        assert thought.content is None and thought.model_extra["reasoning_content"]
+        ac = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0, timeout=120)
+        msg = ac.messages.create(**plain, extra_body={"temperature": 0})
+        assert [(b.type, b.thinking) for b in msg.content] == [("thinking", thought.model_extra["reasoning_content"])]
+        with ac.messages.stream(**plain, extra_body={"temperature": 0}) as s:
+            assert [(b.type, b.thinking) for b in s.get_final_message().content] == [(b.type, b.thinking)
+                                                                                   for b in msg.content]
+        # and the Responses API: a reasoning item, whole and streamed
+        rkw = dict(model=MODEL, input=plain["messages"], max_output_tokens=16, temperature=0)
+        r = client.responses.create(**rkw)
+        assert [(o.type, o.content[0].text) for o in r.output] == [("reasoning", thought.model_extra["reasoning_content"])]
+        assert r.usage.output_tokens_details.reasoning_tokens > 0
+        with client.responses.stream(**rkw) as s:
+            kinds = {e.type for e in s}
+            assert [(o.type, o.content[0].text) for o in s.get_final_response().output] == \
+                [(o.type, o.content[0].text) for o in r.output]
+        assert "response.reasoning_text.delta" in kinds
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

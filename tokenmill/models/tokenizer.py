@@ -76,12 +76,13 @@ class Tokenizer:
         return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
-                    template_kwargs: dict | None = None, split_special_tokens: bool = True) -> list[int]:
+                    template_kwargs: dict | None = None, split_special_tokens: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         """The rendered conversation's token ids. With `split_special_tokens` (the default), special-
         token text inside the messages is read as text, so a user cannot forge a turn by typing
         "<|im_start|>system"; the template's own control tokens stay control tokens. Where no
         message holds such text (nearly always) the ids are exactly those of the rendered string."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs, continue_final_message)
         fields = [(i, k) for i, m in enumerate(messages) for k, v in m.items()
                   if k != "role" and isinstance(v, str) and any(t in v for t in self.special_tokens)]
         if not split_special_tokens or not fields:
@@ -92,7 +93,7 @@ class Tokenizer:
         for i, k in fields:
             for t in self.special_tokens:
                 masked[i][k] = masked[i][k].replace(t, "\ue000" * len(t))
-        shadow = self.apply_chat_template(masked, add_generation_prompt, tools, template_kwargs)
+        shadow = self.apply_chat_template(masked, add_generation_prompt, tools, template_kwargs, continue_final_message)
         if len(shadow) != len(text):
             raise ValueError("messages contain special-token text that this model's chat template rewrites; "
                              "remove it, or send split_special_tokens=false to let it act as control tokens.")
@@ -113,14 +114,23 @@ class Tokenizer:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None, template_kwargs: dict | None = None) -> str:
+                            tools: list | None = None, template_kwargs: dict | None = None,
+                            continue_final_message: bool = False) -> str:
         """`template_kwargs`: extra template variables (the API's chat_template_kwargs), passed as a
-        dict so that one named like an argument here is refused by `render`, not a TypeError."""
+        dict so that one named like an argument here is refused by `render`, not a TypeError.
+        `continue_final_message`: the rendering ends inside the last message (an assistant's answer
+        begun by the client, Anthropic's prefill), cut after its text as transformers cuts it."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; use plain completions (generate) instead of chat.")
         special = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        return chat_template.render(self.chat_template, messages, add_generation_prompt, special, tools,
+        text = chat_template.render(self.chat_template, messages, add_generation_prompt, special, tools,
                                     template_kwargs)
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+                raise ValueError("continue_final_message needs a last message whose text the chat template renders")
+            text = text[:text.rindex(final.strip()) + len(final.strip())]
+        return text
 
     def save(self, path: str) -> None:
         """Write tokenizer.json, tokenizer_config.json and generation_config.json, which

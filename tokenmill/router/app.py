@@ -140,12 +140,12 @@ def build_router(config: RouterConfig, background: tuple = ()) -> Guard:
     app = FastAPI(title="tokenmill router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+    async def _http(request, e: StarletteHTTPException):  # Anthropic's shape on its paths (guard)
+        return error_response(e.status_code, str(e.detail), "invalid_request_error", path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        return _internal_error(e)
+    async def _internal(request, e: Exception):
+        return _internal_error(e, request.url.path)
 
     def upstream_headers(raw: Request) -> dict:
         h = {k: v for k, v in raw.headers.items() if k not in _DROP_REQUEST}
@@ -196,7 +196,7 @@ def build_router(config: RouterConfig, background: tuple = ()) -> Guard:
         return await _Forward(raw, state["pool"], state["session"], policy, metrics, upstream_headers(raw),
                               config.upstream_timeout).run()
 
-    app.api_route("/{path:path}", methods=["GET", "POST"])(forward)
+    app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])(forward)  # DELETE: a stored response
     own = {r.path for r in app.routes} - {"/{path:path}"}
 
     async def dispatch(scope, receive, send) -> None:
@@ -207,7 +207,7 @@ def build_router(config: RouterConfig, background: tuple = ()) -> Guard:
             try:
                 response = await forward(Request(scope, receive))
             except Exception as e:
-                response = _internal_error(e)
+                response = _internal_error(e, scope["path"])
             return await response(scope, receive, send)
         return await app(scope, receive, send)
 
@@ -218,10 +218,10 @@ def build_router(config: RouterConfig, background: tuple = ()) -> Guard:
     return guarded
 
 
-def _internal_error(e: Exception) -> Response:  # the details go to the log, never to the client
+def _internal_error(e: Exception, path: str) -> Response:  # the details go to the log, never to the client
     ref = uuid.uuid4().hex[:12]
     log.error("internal error %s", ref, exc_info=e)
-    return error_response(500, f"internal error (reference {ref} in the router log)", "internal_error")
+    return error_response(500, f"internal error (reference {ref} in the router log)", "internal_error", path=path)
 
 
 class _Forward:
@@ -256,7 +256,7 @@ class _Forward:
                     reason = "upstream_failed" if tried else e.reason
                     self.metrics.rejected.labels(reason=reason).inc()
                     msg = f"every replica failed before answering ({last_error})" if tried else str(e)
-                    return error_response(503, msg, "server_overloaded")
+                    return error_response(503, msg, "server_overloaded", path=self.raw.url.path)
                 self.metrics.decisions.labels(policy=self.policy.name, reason=choice.reason).inc()
                 if keys:
                     self.metrics.query_chars.inc(len(keys) * self.policy.chunk_chars)
@@ -276,7 +276,8 @@ class _Forward:
                 except (aiohttp.ServerTimeoutError, asyncio.TimeoutError):
                     await self.pool.release(replica)
                     self._count(replica, 504)
-                    return error_response(504, f"the replica sent nothing for {self.read_timeout:g} s", "timeout_error")
+                    return error_response(504, f"the replica sent nothing for {self.read_timeout:g} s", "timeout_error",
+                                          path=self.raw.url.path)
                 except aiohttp.ClientError as e:
                     last_error = f"{replica.url}: {type(e).__name__}"  # it died mid-request: health checks judge it
                 else:

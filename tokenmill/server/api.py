@@ -1,9 +1,12 @@
-"""FastAPI application: OpenAI-compatible routes over an EngineClient.
+"""FastAPI application: OpenAI's routes (completions, chat, Responses) and Anthropic's Messages
+over an EngineClient.
 
-Every request is validated before it reaches the engine; every failure becomes an OpenAI-style
-error body with the right status (errors.py); a client that goes away aborts its request in the
-engine (streaming.py). A request's fields become SamplingParams and token ids in params.py, tool
-calls are planned in tool_plan.py, answers are assembled in responses.py and streaming.py.
+Every request is validated before it reaches the engine; every failure becomes an error body with
+the right status (errors.py; Anthropic's shape on its paths); a client that goes away aborts its
+request in the engine (streaming.py). A request's fields become SamplingParams and token ids in
+params.py; the chat-shaped APIs all go through chat.py (responses_api.py and anthropic.py translate
+to and from it), tool calls are planned in tool_plan.py, answers are assembled in responses.py,
+streaming.py, responses_events.py and anthropic.py.
 """
 from __future__ import annotations
 
@@ -16,17 +19,19 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from tokenmill.server import anthropic as A
+from tokenmill.server import chat
 from tokenmill.server import protocol as P
-from tokenmill.server import reasoning as R
+from tokenmill.server import responses_api as RA
 from tokenmill.server.config import ServerConfig
 from tokenmill.server.errors import APIError, install_handlers
 from tokenmill.server.guard import Guard, cache_salt, error_response
 from tokenmill.server.metrics import Metrics
-from tokenmill.server.params import (chat_ids, completion_prompts, conversation, prompt_ids, sampling_params,
-                                     template_kwargs)
+from tokenmill.server.params import chat_ids, completion_prompts, conversation, prompt_ids, sampling_params
+from tokenmill.server.response_store import ResponseStore
 from tokenmill.server.responses import Usage, chat_logprobs, completion_logprobs, timings
+from tokenmill.server.responses_events import response_events
 from tokenmill.server.streaming import chat_stream, collect_all, completion_stream, sse, start_all, until_disconnected
-from tokenmill.server.tool_plan import ToolPlan
 
 
 def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
@@ -40,8 +45,9 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
                        salt_by_key=config.cache_salt_from_api_key)
     if config.allowed_origins:  # outside the guard: browsers send CORS preflights without credentials
         from fastapi.middleware.cors import CORSMiddleware
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version",
+                                          "anthropic-beta"])
     install_handlers(app)
 
     def check_model(name: str | None) -> None:
@@ -134,44 +140,99 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         return P.CompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(), timings=timing)
 
     # ------------------------------------------------------------ chat
+    async def turn_of(req: P.ChatCompletionRequest) -> chat.Turn:
+        return await chat.prepare(req, tokenizer(), client.max_model_len, config.tool_call_parser,
+                                  config.reasoning_parser, off_loop)
+
     @app.post("/v1/chat/completions")
-    async def chat(req: P.ChatCompletionRequest, raw: Request):
+    async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
         check_model(req.model)
-        tok = tokenizer()
-        if not req.messages:
-            raise APIError(400, "messages must contain at least one message", param="messages")
-        calls = ToolPlan.of(req, config.tool_call_parser, tok.chat_template)
-        # a constrained output (forced tool call) is the constraint's from its first token: no thinking
-        thinking = None if calls.forced else config.reasoning_parser
-        ids = await off_loop(chat_ids, tok, conversation(req.messages), req.add_generation_prompt,
-                             template_kwargs(req, tok.chat_template), req.tools, req.split_special_tokens,
-                             client.max_model_len)
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, client.max_model_len - len(ids))
-        top = req.top_logprobs if req.top_logprobs is not None else 0
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        params = sampling_params(req, max_tokens, top if req.logprobs else None, calls.constraint)
+        turn = await turn_of(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = client.generate(rid, ids, params, req.priority, cache_salt(raw, req.cache_salt))
+        stream = client.generate(rid, turn.ids, turn.params, req.priority, cache_salt(raw, req.cache_salt))
         first = (await until_disconnected(raw, start_all([stream]), [stream]))[0]
         if req.stream:
-            return sse(chat_stream(rid, req, stream, first, model_name, client, calls, thinking))
+            return sse(chat_stream(rid, req, stream, first, model_name, client, turn))
         out = (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
         usage = Usage()
         usage.add(out)
         choices = []
         for o in out.outputs:
-            reasoning, answer = R.split(thinking, o.text) if thinking else (None, o.text)
-            content, tool_calls = calls.parse(answer or "") if answer is not None else (None, [])
-            finish = "tool_calls" if tool_calls and o.finish_reason == "stop" else o.finish_reason
-            message = P.ChatResponseMessage(content=content, reasoning_content=reasoning,
-                                            tool_calls=[c.to_openai() for c in tool_calls] or None)
+            a = chat.answer(turn, o)
+            message = P.ChatResponseMessage(content=a.content, reasoning_content=a.reasoning,
+                                            tool_calls=[c.to_openai() for c in a.tool_calls] or None)
             choices.append(P.ChatChoice(index=o.index, message=message,
-                                        logprobs=chat_logprobs(o, client, top) if req.logprobs else None,
-                                        finish_reason=finish, stop_reason=o.stop_reason))
+                                        logprobs=chat_logprobs(o, client, turn.top_logprobs) if req.logprobs else None,
+                                        finish_reason=a.finish_reason, stop_reason=a.stop_reason))
         return P.ChatCompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(),
                                         timings=timings(out))
+
+    # ------------------------------------------------------------ OpenAI's Responses API
+    store = ResponseStore()
+
+    def reasoning_tokens(text: str | None) -> int:
+        return len(client.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+    @app.post("/v1/responses")
+    async def create_response(req: RA.ResponsesRequest, raw: Request):
+        check_model(req.model)
+        history: list[dict] = []
+        if req.previous_response_id is not None:
+            found = store.get(req.previous_response_id)
+            if found is None:
+                raise APIError(404, f"no stored response '{req.previous_response_id:.80}' (never stored with store: "
+                                    "true, deleted, or dropped from the bounded store)", "not_found_error",
+                               "previous_response_id")
+            history = found[1]
+        chat_req, turns = RA.to_chat(req, history)
+        turn = await turn_of(chat_req)
+        rid, created, model = RA.new_id("resp"), int(time.time()), req.model or model_name
+
+        def keep(body: dict, items: list[dict]) -> None:
+            if req.store:
+                store.put(rid, body, turns + RA.assistant_turn(items))
+
+        stream = client.generate(rid, turn.ids, turn.params, 0, cache_salt(raw, None))
+        first = (await until_disconnected(raw, start_all([stream]), [stream]))[0]
+        if req.stream:
+            return sse(response_events(rid, req, model, created, turn, stream, first, reasoning_tokens, keep))
+        out = (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
+        a = chat.answer(turn, out.outputs[0])
+        items = RA.output_items(a)
+        body = RA.response(rid, req, model, created, RA.status_of(a.finish_reason), items,
+                           RA.usage(out, reasoning_tokens(a.reasoning)), a.finish_reason)
+        keep(body, items)
+        return body
+
+    @app.get("/v1/responses/{rid}")
+    async def get_response(rid: str):
+        found = store.get(rid)
+        if found is None:
+            raise APIError(404, f"no stored response '{rid:.80}'", "not_found_error")
+        return found[0]
+
+    @app.delete("/v1/responses/{rid}")
+    async def delete_response(rid: str):
+        if not store.delete(rid):
+            raise APIError(404, f"no stored response '{rid:.80}'", "not_found_error")
+        return {"id": rid, "object": "response.deleted", "deleted": True}
+
+    # ------------------------------------------------------------ Anthropic's Messages API
+    @app.post("/v1/messages")
+    async def messages(req: A.MessagesRequest, raw: Request):
+        check_model(req.model)
+        turn = await turn_of(A.to_chat(req))
+        rid = f"msg_{uuid.uuid4().hex}"
+        stream = client.generate(rid, turn.ids, turn.params, 0, cache_salt(raw, None))
+        first = (await until_disconnected(raw, start_all([stream]), [stream]))[0]
+        if req.stream:
+            return sse(A.message_events(rid, req.model, turn, stream, first))
+        out = (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
+        return A.message(rid, req.model, turn, out)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(req: A.CountTokensRequest):
+        check_model(req.model)
+        return {"input_tokens": len((await turn_of(A.to_chat(req))).ids)}
 
     return app

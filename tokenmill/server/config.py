@@ -19,7 +19,8 @@ class ServerConfig:
         "name(s) clients use for the model (repeatable; default: the model file name)",
         flag="served-model-name", action="append"))
     api_keys: tuple[str, ...] = field(default=(), metadata=_opt(
-        "require 'Authorization: Bearer <key>' (repeatable; also TOKENMILL_API_KEY, comma-separated)",
+        "require 'Authorization: Bearer <key>' or 'x-api-key: <key>' (repeatable; also TOKENMILL_API_KEY, "
+        "comma-separated)",
         flag="api-key", action="append"))
     host: str = field(default="127.0.0.1", metadata=_opt("address to listen on"))
     port: int = field(default=8000, metadata=_opt("port to listen on"))

@@ -38,34 +38,36 @@ def bad_request(e: ValueError) -> APIError:
 def install_handlers(app: FastAPI) -> None:
     """Every exception a route can raise, as its error body."""
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return error_response(e.status, e.message, e.type, e.param)
+    async def _api_error(request, e: APIError):
+        return error_response(e.status, e.message, e.type, e.param, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_, e: RequestValidationError):
+    async def _validation(request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
-            return error_response(400, f"request body is not valid JSON: {first.get('msg')}", "invalid_request_error")
+            return error_response(400, f"request body is not valid JSON: {first.get('msg')}", "invalid_request_error",
+                                  path=request.url.path)
         msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
                         for er in errs[:3])
-        return error_response(400, msg, "invalid_request_error", loc[0] if loc else None)
+        return error_response(400, msg, "invalid_request_error", loc[0] if loc else None, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail), "invalid_request_error")
+    async def _http(request, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail), "invalid_request_error", path=request.url.path)
 
     @app.exception_handler(RequestFailedError)
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(RequestTimeoutError)
     @app.exception_handler(QueueTimeoutError)
-    async def _engine_failed(_, e: Exception):
+    async def _engine_failed(request, e: Exception):
         status, type_ = ENGINE_ERRORS[type(e)]
-        return error_response(status, str(e), type_)
+        return error_response(status, str(e), type_, path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):  # the details go to the log, never to the client
+    async def _internal(request, e: Exception):  # the details go to the log, never to the client
         ref = uuid.uuid4().hex[:12]
         log.error("internal error %s", ref, exc_info=e)
-        return error_response(500, f"internal error (reference {ref} in the server log)", "internal_error")
+        return error_response(500, f"internal error (reference {ref} in the server log)", "internal_error",
+                              path=request.url.path)

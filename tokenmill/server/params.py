@@ -115,11 +115,11 @@ def check_fits(tok, chars: int, max_model_len: int | None, param: str) -> None:
 
 
 def chat_ids(tok, conv: list[dict], add_generation_prompt: bool, kwargs, tools, split_special_tokens: bool,
-              max_model_len: int | None) -> list[int]:
+              max_model_len: int | None, continue_final_message: bool = False) -> list[int]:
     """The conversation's ids (on a worker thread), bounded like prompt_ids."""
     check_fits(tok, sum(len(v) for m in conv for v in m.values() if isinstance(v, str)), max_model_len, "messages")
     try:
-        return tok.encode_chat(conv, add_generation_prompt, tools, kwargs, split_special_tokens)
+        return tok.encode_chat(conv, add_generation_prompt, tools, kwargs, split_special_tokens, continue_final_message)
     except ValueError as e:
         param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
         raise APIError(400, str(e), param=param) from None

@@ -130,6 +130,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the answer continues the last (assistant) message
     chat_template_kwargs: dict[str, Json] | None = None
     tools: list[dict[str, Json]] | None = None
     # special-token text inside messages is read as text, so no message can forge a turn;

@@ -14,11 +14,10 @@ from fastapi.responses import StreamingResponse
 
 from tokenmill.engine.async_engine import QueueFullError
 from tokenmill.outputs import RequestOutput
+from tokenmill.server import chat
 from tokenmill.server import protocol as P
-from tokenmill.server import reasoning as R
 from tokenmill.server.errors import ENGINE_ERRORS, APIError, bad_request
 from tokenmill.server.responses import Usage, chat_logprobs, completion_logprobs, timings
-from tokenmill.server.tool_plan import ToolPlan, ToolStream
 
 
 async def start_all(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
@@ -118,6 +117,11 @@ def data(obj) -> str:
 STREAM_ERRORS = tuple(ENGINE_ERRORS)
 
 
+def error_status(e: Exception) -> tuple[int, str]:
+    """(status, message) of an engine failure after the stream began."""
+    return ENGINE_ERRORS[type(e)][0], str(e)
+
+
 def stream_error(e: Exception) -> str:
     """A stream that fails after its first byte (its request failed or timed out, or the engine
     died): the status is sent, so the error travels as an event in OpenAI's error shape (then
@@ -168,8 +172,7 @@ async def completion_stream(rid, req, prompts, streams, firsts, params, model_na
         await close_all(streams)
 
 
-async def chat_stream(rid, req, stream, first, model_name, client, plan: ToolPlan,
-                       thinking: str | None) -> AsyncIterator[str]:
+async def chat_stream(rid, req, stream, first, model_name, client, turn: chat.Turn) -> AsyncIterator[str]:
     created = int(time.time())
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name}
     try:
@@ -178,25 +181,17 @@ async def chat_stream(rid, req, stream, first, model_name, client, plan: ToolPla
         yield data({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None} for i in range(n)]})
         sent = [0] * n
-        tools = [ToolStream(plan) for _ in range(n)]
-        thoughts = [R.StreamingReasoning(thinking) if thinking else None for _ in range(n)]
+        readers = [chat.Deltas(turn) for _ in range(n)]
         while True:
             for o in out.outputs:
                 if not o.delta_text and o.finish_reason is None and len(o.token_ids) == sent[o.index]:
                     continue
-                final = o.finish_reason is not None
-                text, reasoning = o.delta_text or "", ""
-                if thoughts[o.index] is not None:
-                    reasoning, text = thoughts[o.index].feed(text, final)
-                delta = tools[o.index].delta(text, final)
+                reasoning, delta = readers[o.index].feed(o.delta_text or "", o.finish_reason is not None)
                 if reasoning:
                     delta["reasoning_content"] = reasoning
-                finish = o.finish_reason
-                if finish == "stop" and tools[o.index].num_calls:
-                    finish = "tool_calls"
                 choice = {"index": o.index, "delta": delta,
-                          "logprobs": chat_logprobs(o, client, req.top_logprobs or 0, sent[o.index]) if req.logprobs else None,
-                          "finish_reason": finish, "stop_reason": o.stop_reason}
+                          "logprobs": chat_logprobs(o, client, turn.top_logprobs, sent[o.index]) if req.logprobs else None,
+                          "finish_reason": readers[o.index].finish_reason(o.finish_reason), "stop_reason": o.stop_reason}
                 sent[o.index] = len(o.token_ids)
                 chunk = {**base, "choices": [choice]}
                 if out.finished and o.finish_reason is not None:
