@@ -2,6 +2,7 @@
 calls, the streaming parser agreeing with the whole-text one however the text is cut, and the
 schemas `required` / a named function impose."""
 import json
+import pathlib
 import random
 
 import jsonschema
@@ -39,10 +40,28 @@ BARE = [  # small models sometimes answer with the bare call object instead of t
     ("none", "```json\n[1, 2]\n```", "```json\n[1, 2]\n```", []),
     ("hermes", "```python\nprint(1)\n```", "```python\nprint(1)\n```", []),
 ]
-NAMES = {"get_weather", "get_time"}
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "properties": {"hour": {"type": "integer"}, "loud": {"type": "boolean"},
+                                     "tags": {"type": "array"}, "note": {"type": "string"},
+                                     "ratio": {"type": ["number", "null"]}}}}}
+NAMES = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME, ALARM)}
+XML = [  # Qwen3-Coder: values typed by the tool's schema; a value that does not read as its type stays text
+    ("qwen3_coder", "I'll check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n"
+                    "</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=set_alarm>\n<parameter=hour>\n"
+                    "7\n</parameter>\n<parameter=loud>\nTrue\n</parameter>\n<parameter=tags>\n[\"a\", 1]\n"
+                    "</parameter>\n<parameter=note>\n 42 \n</parameter>\n<parameter=ratio>\nnull\n</parameter>\n"
+                    "</function>\n</tool_call>",
+     "I'll check.", [("get_weather", {"city": "San Francisco, CA"}),
+                     ("set_alarm", {"hour": 7, "loud": True, "tags": ["a", 1], "note": " 42 ", "ratio": None})]),
+    ("qwen3_coder", "<tool_call>\n<function=set_alarm>\n<parameter=hour>\nseven\n</parameter>\n</function>\n"
+                    "</tool_call>", None, [("set_alarm", {"hour": "seven"})]),
+    ("qwen3_coder", "<tool_call>\n<parameter=hour>\n7\n</parameter>\n</tool_call>",
+     "<tool_call>\n<parameter=hour>\n7\n</parameter>\n</tool_call>", []),   # no function: shown as written
+    ("qwen3_coder", "Plain answer, no call.", "Plain answer, no call.", []),
+]
 
 
-@pytest.mark.parametrize("parser,text,content,calls", CASES + BARE)
+@pytest.mark.parametrize("parser,text,content,calls", CASES + BARE + XML)
 def test_parsers_and_their_streaming_twins_agree(parser, text, content, calls):
     got_content, got = T.parse(parser, text, NAMES)
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
@@ -64,6 +83,8 @@ def test_parser_is_picked_from_the_template_or_named():
     assert T.pick_parser(None, "[TOOL_CALLS] ...") == "mistral"
     assert T.pick_parser(None, "<|python_tag|>") == "llama3_json"
     assert T.pick_parser(None, "{{ messages }}") is None
+    coder = (pathlib.Path(__file__).parent / "data" / "chat_templates" / "Qwen3-Coder.jinja").read_text()
+    assert T.pick_parser(None, coder) == "qwen3_coder"
     assert T.pick_parser("mistral", "<tool_call>") == "mistral"
     with pytest.raises(ValueError, match="tool_call_parser"):
         T.pick_parser("xml", None)
@@ -102,3 +123,32 @@ def test_history_tool_calls_reach_the_template_with_object_arguments():
     conv = conversation(msgs)
     assert conv[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert conv[1] == {"role": "tool", "content": '{"temp": 21}', "tool_call_id": "call_1"}
+
+
+def test_qwen3_coder_calls_read_back_from_the_templates_own_rendering():
+    """An assistant turn with calls, rendered by Qwen3-Coder's own template (what the model learnt
+    to write), parses back to the same calls and arguments."""
+    from tokenmill.models import chat_template
+    from tokenmill.server import protocol as P
+    from tokenmill.server.params import conversation
+
+    template = (pathlib.Path(__file__).parent / "data" / "chat_templates" / "Qwen3-Coder.jinja").read_text()
+    calls = [("get_weather", {"city": "Paris", "unit": "c"}),
+             ("set_alarm", {"hour": 7, "loud": False, "tags": ["x", {"y": 2}], "note": "wake up\nnow", "ratio": 0.5})]
+    msg = P.ChatMessage(role="assistant", content="Checking.", tool_calls=[
+        {"id": f"call_{i}", "type": "function", "function": {"name": n, "arguments": json.dumps(a)}}
+        for i, (n, a) in enumerate(calls)])
+    text = chat_template.render(template, conversation([msg]), False, {}, [WEATHER, TIME, ALARM], None)
+    answer = text.split("<|im_start|>assistant", 1)[1].removesuffix("<|im_end|>\n")
+    content, got = T.parse("qwen3_coder", answer, NAMES)
+    assert content == "Checking." and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("parser,close", [("hermes", "}\n</tool_call>"), ("llama3_json", "}"), ("mistral", "}]")])
+def test_a_named_calls_prefix_is_its_formats_own_opening(parser, close):
+    """A forced named call starts the answer with its format's opening (call_prefix); the opening,
+    the constrained arguments and the format's close read back as that call in the format."""
+    args = {"city": "Paris", "unit": "c"}
+    text = T.call_prefix(parser, "get_weather") + json.dumps(args) + close
+    assert [(c.name, json.loads(c.arguments)) for c in T.parse(parser, text, NAMES)[1]] == [("get_weather", args)]
+    assert T.call_prefix("qwen3_coder", "get_weather") == T.call_prefix(None, "get_weather") == ""

@@ -55,6 +55,8 @@ async def prepare(req: P.ChatCompletionRequest, tok, max_model_len: int, tool_ca
     ids = await off_loop(chat_ids, tok, conversation(req.messages), req.add_generation_prompt,
                          template_kwargs(req, tok.chat_template), req.tools, req.split_special_tokens,
                          max_model_len, req.continue_final_message)
+    if calls.prefix and not req.continue_final_message:  # a named call opens in the model's own format
+        ids = ids + tok.encode(calls.prefix, add_special_tokens=False)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, max_model_len - len(ids))

@@ -28,7 +28,7 @@ class ServerConfig:
         "serve /metrics without the API key (for a scraper inside a trusted network)"))
     tool_call_parser: str | None = field(default=None, metadata=_opt(
         "how the model writes tool calls (default: the format its chat template renders)",
-        choices=["hermes", "llama3_json", "mistral"]))
+        choices=["hermes", "llama3_json", "mistral", "qwen3_coder"]))
     reasoning_parser: str | None = field(default=None, metadata=_opt(
         "return a thinking model's <think>...</think> as reasoning_content (default: off)",
         choices=["deepseek_r1", "qwen3"]))

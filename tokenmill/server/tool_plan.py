@@ -17,7 +17,8 @@ class ToolPlan:
     choice: object = None
     parser: str | None = None
     constraint: StructuredOutputsParams | None = None
-    names: set[str] = field(default_factory=set)
+    names: dict[str, dict] = field(default_factory=dict)  # the tools: name -> parameter schema
+    prefix: str = ""  # a named call's opening in the model's own format, put at the answer's start
 
     @classmethod
     def of(cls, req, parser_name: str | None, template: str | None) -> "ToolPlan":
@@ -28,9 +29,10 @@ class ToolPlan:
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
         if choice == "required" or named is not None:
             schema = T.forced_schema(choice, req.tools, req.parallel_tool_calls is not False)
-            return cls(choice, None, StructuredOutputsParams(json=schema))
+            prefix = T.call_prefix(T.pick_parser(parser_name, template), named) if named is not None else ""
+            return cls(choice, None, StructuredOutputsParams(json=schema), prefix=prefix)
         if choice == "auto" and req.tools:
-            names = {t["function"]["name"] for t in req.tools}
+            names = {t["function"]["name"]: t["function"].get("parameters") or {} for t in req.tools}
             return cls(choice, T.pick_parser(parser_name, template) or "none", names=names)
         return cls(choice)
 

@@ -6,7 +6,9 @@ Models write calls in their family's format; a parser per format (vLLM's names):
   one block per call, text around them is content;
 - `llama3_json` (Llama 3.1+): the whole answer is `{"name": …, "parameters": {…}}` (optionally after
   `<|python_tag|>`), several joined by `;`;
-- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": …, "arguments": {…}}`.
+- `mistral`: `[TOOL_CALLS]` then a JSON list of `{"name": …, "arguments": {…}}`;
+- `qwen3_coder` (Qwen3-Coder): `<tool_call><function=…><parameter=…>…</parameter></function></tool_call>`,
+  XML whose values take their types from the tool's schema (tool_xml.py).
 The parser is `--tool-call-parser`, or picked from the chat template (the format it renders).
 
 `required` and a named function do not rely on the model's format: the output is held by a JSON
@@ -21,7 +23,9 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-PARSERS = ("hermes", "llama3_json", "mistral")
+from tokenmill.server import tool_xml
+
+PARSERS = ("hermes", "llama3_json", "mistral", "qwen3_coder")
 
 
 @dataclass
@@ -41,6 +45,8 @@ def pick_parser(name: str | None, template: str | None) -> str | None:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {name!r}")
         return name
     t = template or ""
+    if "<function=" in t and "<parameter=" in t:  # before hermes: its blocks are <tool_call> too
+        return "qwen3_coder"
     if "<tool_call>" in t:
         return "hermes"
     if "[TOOL_CALLS]" in t:
@@ -84,7 +90,7 @@ def _calls_of(texts: list[str], args_key: str) -> list[ToolCall] | None:
 _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
 
 
-def _bare(text: str, names: set[str]) -> list[ToolCall] | None:
+def _bare(text: str, names: dict[str, dict]) -> list[ToolCall] | None:
     """An output that is nothing but a call object (or a list of them) naming one of the tools,
     possibly in a ```json fence: small models answer in this shape instead of their template's."""
     body = text.strip()
@@ -100,12 +106,16 @@ def _bare(text: str, names: set[str]) -> list[ToolCall] | None:
     return _calls_of([json.dumps(o) for o in items], "arguments")
 
 
-def parse(parser: str, text: str, names: set[str] | None = None) -> tuple[str | None, list[ToolCall]]:
+def parse(parser: str, text: str, names: dict[str, dict] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content, calls) of a complete output; an output that does not hold well-formed calls is
     all content (a model that meant to call a tool but wrote broken JSON is shown as it wrote it).
-    `names`: the request's tools; an output that is only a call object naming one of them is read
-    as that call whatever the format."""
-    content, calls = _parse_format(parser, text)
+    `names`: the request's tools (name -> parameter schema); an output that is only a call object
+    naming one of them is read as that call whatever the format."""
+    if parser == "qwen3_coder":
+        content, found = tool_xml.parse(text, names or {})
+        calls = [ToolCall(name, args) for name, args in found]
+    else:
+        content, calls = _parse_format(parser, text)
     if not calls and names:
         bare = _bare(text, names)
         if bare:
@@ -160,7 +170,7 @@ def _split_json_objects(body: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- streaming
-_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]"}
+_MARKERS = {"hermes": "<tool_call>", "mistral": "[TOOL_CALLS]", "qwen3_coder": "<tool_call>"}
 
 
 class StreamingParser:
@@ -169,9 +179,9 @@ class StreamingParser:
     marker on, text is buffered, and each call goes out once it is complete (hermes: at its
     closing tag; the others at the end of the output)."""
 
-    def __init__(self, parser: str, names: set[str] | None = None) -> None:
+    def __init__(self, parser: str, names: dict[str, dict] | None = None) -> None:
         self.parser = parser
-        self.names = names or set()
+        self.names = names or {}
         self.buf = ""
         self.in_calls = False
         self.bare = bool(self.names)  # the output may still turn out to be a bare call object (held back)
@@ -208,12 +218,12 @@ class StreamingParser:
             content, self.buf = self.buf[:at], self.buf[at:]
             self.in_calls = True
         calls: list[ToolCall] = []
-        if self.parser == "hermes":
+        if self.parser in ("hermes", "qwen3_coder"):  # a block goes out at its closing tag
             while True:
                 m = _HERMES.match(self.buf.lstrip())
                 if m is None:
                     break
-                parsed = parse("hermes", m.group(0))[1]
+                parsed = parse(self.parser, m.group(0), self.names)[1]
                 if not parsed:
                     break
                 calls += parsed
@@ -235,7 +245,7 @@ class StreamingParser:
         rest, self.buf = self.buf, ""
         if self.parser == "none" or not rest.strip():
             return rest, []
-        content, calls = parse(self.parser, rest)
+        content, calls = parse(self.parser, rest, self.names)
         if not calls:
             return rest, []
         return content or "", calls
@@ -251,6 +261,22 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 # ---------------------------------------------------------------- forced calls
+def call_prefix(parser: str | None, name: str) -> str:
+    """What the model's own format writes before a call's arguments. A named forced call starts
+    the answer with it (appended to the prompt) and the constraint holds what follows to the
+    arguments' schema: the model writes the arguments where its training put them. Without it a
+    model trained on `{"name": …, "arguments": …}` reads the first key of a forced arguments object
+    as its call's `name` (Qwen2.5-Coder-0.5B answered {"name": "Person", …} for a Person tool)."""
+    n = json.dumps(name, ensure_ascii=False)
+    if parser == "hermes":
+        return f'<tool_call>\n{{"name": {n}, "arguments": '
+    if parser == "llama3_json":
+        return f'{{"name": {n}, "parameters": '
+    if parser == "mistral":
+        return f'[TOOL_CALLS][{{"name": {n}, "arguments": '
+    return ""  # qwen3_coder writes XML, not JSON; a template without a format has nothing to open
+
+
 def _functions(tools: list[dict]) -> dict[str, dict]:
     out = {}
     for i, t in enumerate(tools or []):
