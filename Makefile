@@ -34,11 +34,12 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/tokenmill chat
 
-# TEST_WORKERS=2: two workers, each taking whole files (a file's module fixtures, its server or model,
-# load once), the longest files first (tests/conftest.py): about a third of the sequential time on 2
-# cores. One by default until the tensor-parallel comparisons hold beside a busy core (the thread
-# governor drops a thread mid-run under contention; one such comparison failed beside the soak)
-TEST_WORKERS ?= 1
+# Two workers, each taking whole files (a file's module fixtures, its server or model, load once), the
+# longest files first (tests/conftest.py): much of the suite waits on servers, builds and clients, so
+# two files at a time fill the 2 cores (timings: benchmarks/RESULTS.md). TEST_WORKERS=1 runs one file
+# at a time. Comparisons between two engines run at fixed thread counts, as a busy core makes the
+# thread governor (engine/threads.py) change a float32 engine's mid-run.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 

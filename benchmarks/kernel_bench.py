@@ -4,7 +4,7 @@ batch rows: tokenmill's int4/int8 panel kernels (tokenmill/kernels; on VNNI CPUs
 as `_a8`, 8-bit activations), PyTorch's int4
 (`_weight_int4pack_mm_for_cpu`, bf16 activations), int8 (`_weight_int8pack_mm`) and float32 GEMM.
 On the `amx` variant also the AMX tile product (`_amx`, bfloat16 activations; the integer columns
-then run with AMX off) and PyTorch's bfloat16 GEMM (oneDNN, on AMX too): where their crossover with
+then run with AMX off); there and on CPUs with AVX512-BF16 PyTorch's bfloat16 GEMM (oneDNN): where their crossover with
 the integer kernels lies is kernels.AMX_MIN_ROWS. Explains the choices in quant/ and layers/linear.py. (Not named kernels.py: transformers imports
 any importable module of that name.)
 
@@ -21,6 +21,7 @@ import time
 import torch
 
 from tokenmill import kernels
+from tokenmill.kernels import build
 from tokenmill.quant import int4, int8
 
 ap = argparse.ArgumentParser()
@@ -42,6 +43,10 @@ sz = torch.stack([parts4[1].t(), (parts4[2] + 8 * parts4[1]).t()], dim=-1).to(to
 packed4 = torch._convert_weight_to_int4pack_for_cpu(parts4[0].to(torch.int32), 1)
 scale8 = s8.to(torch.bfloat16)
 amx = kernels.amx()
+# AVX512-BF16 without AMX (AMD Zen 4/5): oneDNN's bfloat16 GEMM runs on VDPBF16PS, with the weights
+# already bfloat16 — the ceiling of any bf16 path for quantized weights, which must unpack them first
+BF16 = "avx512_bf16" in build.cpu_flags()
+wb = w.to(torch.bfloat16)
 kernels.AMX["min_rows"] = 0  # the integer kernels' own columns
 
 
@@ -79,8 +84,8 @@ for m in [int(r) for r in a.rows.split(",")]:
         if amx:
             row["tokenmill_int4_amx_us"] = timed(lambda: tiles(x, tm4), reps)
             row["tokenmill_int8_amx_us"] = timed(lambda: tiles(x, tm8), reps)
-            wb = w.to(torch.bfloat16)
-            row["bf16_gemm_us"] = timed(lambda: torch.nn.functional.linear(xb, wb), reps)
+    if amx or BF16:
+        row["bf16_gemm_us"] = timed(lambda: torch.nn.functional.linear(xb, wb), reps)
     row.update({"torch_int4_bf16_us": timed(lambda: torch._weight_int4pack_mm_for_cpu(xb, packed4, 32, sz), reps),
                 "torch_int8_bf16_us": timed(lambda: torch._weight_int8pack_mm(xb, q8, scale8), reps),
                 "fp32_gemm_us": timed(lambda: torch.nn.functional.linear(x, w), reps)})

@@ -8,7 +8,7 @@ import torch
 
 from tokenmill.utils import default_model_path
 
-# `TEST_WORKERS=2 make test` hands whole files to two workers (pytest-xdist --dist loadfile
+# `make test` hands whole files to two workers (TEST_WORKERS; pytest-xdist --dist loadfile
 # --no-loadscope-reorder) in collection order: the longest files go first, so that no long file is
 # left to run alone at the end while the other worker idles (--durations says which these are)
 LONGEST_FIRST = ("test_kernel_build.py", "test_e2e_default_model.py", "test_soak.py", "test_container.py",
