@@ -3,14 +3,13 @@ server on the default model: text whole and streamed (the documented event seque
 sequences, prefill, tool use forced and fed back, a JSON schema, count_tokens, both ways of
 sending the key, and errors in Anthropic's shape that leave the server up."""
 import json
-import signal
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
 
-from test_server import KEY, MODEL, start_server
+from test_server import KEY, MODEL, serving
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -23,10 +22,8 @@ GREEDY = {"extra_body": {"temperature": 0}}
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server("--api-key", KEY)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    with serving("--api-key", KEY) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -5,14 +5,13 @@ outputs fed back (by previous_response_id and as items), the bounded store's GET
 errors that name the field."""
 import asyncio
 import json
-import signal
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from test_server import KEY, MODEL, start_server
+from test_server import KEY, MODEL, serving
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -22,10 +21,8 @@ GREEDY = dict(temperature=0, max_output_tokens=24)
 
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server("--api-key", KEY)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    with serving("--api-key", KEY) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The real server on a loopback port, driven by the official `openai` client (and raw HTTP
 where a client library would hide what is being checked)."""
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -69,12 +70,21 @@ def wait_up(proc: subprocess.Popen, base: str, seconds: float) -> subprocess.Pop
     raise RuntimeError(f"{base} did not come up within {seconds:g} s; its stderr ends:\n{server_log(proc)[-3000:]}")
 
 
+@contextlib.contextmanager
+def serving(*extra: str, **kw):
+    """start_server's base URL while the block runs; SIGTERM and the exit awaited after it."""
+    proc, base = start_server(*extra, **kw)
+    try:
+        yield base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def server():
-    proc, base = start_server("--api-key", KEY)
-    yield base
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
+    with serving("--api-key", KEY) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
