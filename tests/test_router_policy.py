@@ -85,6 +85,10 @@ def test_routing_key_follows_the_rendered_order():
     assert routing_key(b'{"prompt": ["first", "second"]}')[0] == "first"
     assert routing_key(b'{"prompt": [1, 2, 3]}')[0] == "1,2,3"
     assert routing_key(b"not json") == ("", None) and routing_key(b"[1]") == ("", None)
+    # Anthropic's messages (system apart) and Responses' input (instructions apart) key the same way
+    anthropic = b'{"system": "Be brief.", "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}'
+    responses = b'{"instructions": "Be brief.", "input": "Hi"}'
+    assert routing_key(anthropic)[0] == routing_key(responses)[0] == "<system>Be brief.\n<user>Hi"
 
 
 @pytest.mark.parametrize("bad", [dict(replicas=[]), dict(replicas=["localhost:8000"]),

@@ -70,9 +70,17 @@ class RouterConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}.")
 
 
+def _text(content) -> str:
+    """A message's text: a string, or the text of its parts or blocks."""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content if isinstance(content, str) else ""
+
+
 def routing_key(body: bytes) -> tuple[str, str | None]:
     """The text a request's prompt starts with (what the replica's prefix cache will hold) and its
-    model. Chat: tools, then each message's role and text, in order, as templates render them."""
+    model. Chat (and Anthropic's messages, Responses' input items): tools, the system text, then each
+    message's role and text, in order, as templates render them."""
     try:
         obj = json.loads(body) if body else None
     except ValueError:
@@ -81,16 +89,17 @@ def routing_key(body: bytes) -> tuple[str, str | None]:
         return "", None
     model = obj.get("model") if isinstance(obj.get("model"), str) else None
     parts: list[str] = []
-    if isinstance(obj.get("messages"), list):
+    turns = obj.get("messages", obj.get("input"))
+    if isinstance(turns, (list, str)) and ("messages" in obj or "input" in obj):
         if obj.get("tools"):
             parts.append(json.dumps(obj["tools"], sort_keys=True))
-        for m in obj["messages"]:
+        system = obj.get("system", obj.get("instructions"))  # Anthropic's system, Responses' instructions
+        if system:
+            parts.append(f"<system>{_text(system)}")
+        for m in [{"role": "user", "content": turns}] if isinstance(turns, str) else turns:
             if not isinstance(m, dict):
                 break
-            content = m.get("content")
-            if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-            parts.append(f"<{m.get('role')}>{content if isinstance(content, str) else ''}")
+            parts.append(f"<{m.get('role')}>{_text(m.get('content'))}")
     else:
         prompt = obj.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
