@@ -72,6 +72,32 @@ def test_stream_and_non_stream_through_the_router_equal_a_direct_replica(fleet):
     assert tok == httpx.post(a + "/tokenize", headers=H, json={"prompt": "Hello"}).json()
 
 
+def test_stored_responses_are_reached_on_the_replica_that_holds_them(fleet):
+    """Each replica keeps its own stored responses: chains by previous_response_id (whole and
+    streamed), GET and DELETE through the router reach the replica that made the response, however
+    the policy would spread them; and the chain's answers equal a direct replica's."""
+    router, a, _ = fleet
+    via = openai.OpenAI(base_url=router + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    direct = openai.OpenAI(base_url=a + "/v1", api_key=KEY, max_retries=0, timeout=120)
+    for client in (via, direct):
+        last, texts = None, []
+        for i, word in enumerate(["Hello.", "Name a colour.", "And a fruit.", "And a city."]):
+            kw = dict(model=MODEL, input=word, previous_response_id=last, temperature=0, max_output_tokens=8)
+            if i % 2:
+                with client.responses.stream(**kw) as s:
+                    r = s.get_final_response()
+            else:
+                r = client.responses.create(**kw)
+            last = r.id
+            texts.append(r.output_text)
+            assert client.responses.retrieve(r.id).output_text == r.output_text
+        if client is via:
+            chain, chain_last = texts, last
+    assert chain == texts
+    assert httpx.delete(f"{router}/v1/responses/{chain_last}", headers=H).json()["deleted"] is True
+    assert httpx.delete(f"{router}/v1/responses/{chain_last}", headers=H).status_code == 404
+
+
 def test_auth_and_error_shapes_are_the_replicas(fleet):
     router, a, _ = fleet
     for base in (router, a):

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenmill.router.metrics import RouterMetrics
 from tokenmill.router.policy import Policy
 from tokenmill.router.pool import Pool, Rejected, Replica, fetch
+from tokenmill.router.stored import StoredResponses
 from tokenmill.server.guard import Guard, error_response
 
 log = logging.getLogger("tokenmill.router")
@@ -117,6 +118,7 @@ def build_router(config: RouterConfig, background: tuple = ()) -> Guard:
     urls = [u.rstrip("/") for u in config.replicas]
     metrics = RouterMetrics(urls, config.policy)
     policy = Policy(config.policy, len(urls), config.chunk_chars, config.capacity_chars, config.balance_threshold)
+    stored = StoredResponses()  # which replica holds which stored response (Responses API)
     replica_auth = {"authorization": f"Bearer {config.replica_api_key}"} if config.replica_api_key else {}
     state: dict = {}
 
@@ -202,7 +204,7 @@ def build_router(config: RouterConfig, background: tuple = ()) -> Guard:
         return Response(metrics.render_replicas(texts), media_type=_PROMETHEUS)
 
     async def forward(raw: Request) -> Response:
-        return await _Forward(raw, state["pool"], state["session"], policy, metrics, upstream_headers(raw),
+        return await _Forward(raw, state["pool"], state["session"], policy, metrics, upstream_headers(raw), stored,
                               config.upstream_timeout).run()
 
     app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])(forward)  # DELETE: a stored response
@@ -238,9 +240,9 @@ class _Forward:
     awaited (a failure until then is retried on another replica), then the response relayed."""
 
     def __init__(self, raw: Request, pool: Pool, session: aiohttp.ClientSession, policy: Policy,
-                 metrics: RouterMetrics, headers: dict, read_timeout: float) -> None:
-        self.raw, self.pool, self.session, self.policy, self.metrics, self.headers = \
-            raw, pool, session, policy, metrics, headers
+                 metrics: RouterMetrics, headers: dict, stored: StoredResponses, read_timeout: float) -> None:
+        self.raw, self.pool, self.session, self.policy, self.metrics, self.headers, self.stored = \
+            raw, pool, session, policy, metrics, headers, stored
         self.read_timeout = read_timeout
         self.t0 = time.perf_counter()
 
@@ -250,6 +252,7 @@ class _Forward:
         target = raw.url.path + (f"?{raw.url.query}" if raw.url.query else "")
         text, model = routing_key(body) if raw.method == "POST" else ("", None)
         keys = self.policy.keys(text)
+        pin = self.stored.pin(raw.method, raw.url.path, body)
         gone = asyncio.ensure_future(_disconnected(raw.receive))
         tried: set[int] = set()
         last_refusal: tuple[bytes, dict] | None = None
@@ -258,7 +261,7 @@ class _Forward:
         try:
             while True:
                 try:
-                    replica, choice = await self.pool.acquire(keys, model, tried)
+                    replica, choice = await self.pool.acquire(keys, model, tried, pin)
                 except Rejected as e:
                     if last_refusal is not None:  # every replica said 503: theirs is the answer
                         return Response(last_refusal[0], 503, headers=last_refusal[1])
@@ -291,6 +294,7 @@ class _Forward:
                     last_error = f"{replica.url}: {type(e).__name__}"  # it died mid-request: health checks judge it
                 else:
                     if upstream.status != 503:
+                        self.stored.record(raw.method, raw.url.path, upstream.status, first, replica.index)
                         relayed = True  # the relay watches `gone` from here on
                         return _Relay(upstream, first, gone, self._finisher(replica, upstream.status), replica.index)
                     try:

@@ -115,20 +115,23 @@ class Pool:
             self._slots.notify_all()
 
     # ------------------------------------------------------------ admission
-    def _eligible(self, model: str | None, exclude: set[int]) -> tuple[list[Replica], bool]:
-        """Replicas that may take the request now, and whether any could later (not all down)."""
+    def _eligible(self, model: str | None, exclude: set[int], pin: int | None = None) -> tuple[list[Replica], bool]:
+        """Replicas that may take the request now, and whether any could later (not all down).
+        `pin`: the one replica that holds what the request refers to (router/stored.py), while it is up."""
         up = [r for r in self.replicas if r.healthy and r.index not in exclude]
         serving = [r for r in up if not r.models or model is None or model in r.models]
         up = serving or up  # a model nobody serves: any replica answers the 404 in its own words
+        up = [r for r in up if r.index == pin] or up
         return [r for r in up if r.in_flight < self.max_in_flight], bool(up)
 
-    async def acquire(self, keys: list[int], model: str | None, exclude: set[int]) -> tuple[Replica, Choice]:
+    async def acquire(self, keys: list[int], model: str | None, exclude: set[int],
+                      pin: int | None = None) -> tuple[Replica, Choice]:
         deadline = time.monotonic() + self.queue_timeout
         async with self._slots:
             queued = False
             try:
                 while True:
-                    free, any_up = self._eligible(model, exclude)
+                    free, any_up = self._eligible(model, exclude, pin)
                     if free:
                         choice = self.policy.choose(keys, {r.index: r.in_flight for r in free})
                         r = self.replicas[choice.index]
