@@ -275,11 +275,9 @@ async def message_events(rid: str, model: str, turn: chat.Turn, stream, first: R
     (thinking, text, tool_use with its input as partial JSON), message_delta, message_stop."""
     try:
         out = first
-        cached = out.metrics.num_cached_tokens if out.metrics else 0
         yield event("message_start", {"message": {
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": {"input_tokens": len(out.prompt_token_ids) - cached, "output_tokens": 0,
-                                             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}})
+            "stop_sequence": None, "usage": {**usage(out), "output_tokens": 0}}})
         reader, blocks = chat.Deltas(turn), _Blocks()
         while True:
             o = out.outputs[0]

@@ -144,16 +144,23 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         return await chat.prepare(req, tokenizer(), client.max_model_len, config.tool_call_parser,
                                   config.reasoning_parser, off_loop)
 
+    async def started(rid: str, turn: chat.Turn, raw: Request, priority: int = 0, salt: str | None = None):
+        """A turn's engine stream and its first output (bad input fails here, before any byte)."""
+        stream = client.generate(rid, turn.ids, turn.params, priority, cache_salt(raw, salt))
+        return stream, (await until_disconnected(raw, start_all([stream]), [stream]))[0]
+
+    async def finished(raw: Request, stream, first):
+        return (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
+
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
         check_model(req.model)
         turn = await turn_of(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = client.generate(rid, turn.ids, turn.params, req.priority, cache_salt(raw, req.cache_salt))
-        first = (await until_disconnected(raw, start_all([stream]), [stream]))[0]
+        stream, first = await started(rid, turn, raw, req.priority, req.cache_salt)
         if req.stream:
             return sse(chat_stream(rid, req, stream, first, model_name, client, turn))
-        out = (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
+        out = await finished(raw, stream, first)
         usage = Usage()
         usage.add(out)
         choices = []
@@ -192,11 +199,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
             if req.store:
                 store.put(rid, body, turns + RA.assistant_turn(items))
 
-        stream = client.generate(rid, turn.ids, turn.params, 0, cache_salt(raw, None))
-        first = (await until_disconnected(raw, start_all([stream]), [stream]))[0]
+        stream, first = await started(rid, turn, raw)
         if req.stream:
             return sse(response_events(rid, req, model, created, turn, stream, first, reasoning_tokens, keep))
-        out = (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
+        out = await finished(raw, stream, first)
         a = chat.answer(turn, out.outputs[0])
         items = RA.output_items(a)
         body = RA.response(rid, req, model, created, RA.status_of(a.finish_reason), items,
@@ -223,12 +229,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         check_model(req.model)
         turn = await turn_of(A.to_chat(req))
         rid = f"msg_{uuid.uuid4().hex}"
-        stream = client.generate(rid, turn.ids, turn.params, 0, cache_salt(raw, None))
-        first = (await until_disconnected(raw, start_all([stream]), [stream]))[0]
+        stream, first = await started(rid, turn, raw)
         if req.stream:
             return sse(A.message_events(rid, req.model, turn, stream, first))
-        out = (await until_disconnected(raw, collect_all([stream], [first]), [stream]))[0]
-        return A.message(rid, req.model, turn, out)
+        return A.message(rid, req.model, turn, await finished(raw, stream, first))
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(req: A.CountTokensRequest):
