@@ -97,11 +97,11 @@ def test_exported_checkpoint_serves_the_integers_trained_against(tiny_llama, tmp
 def test_qat_lowers_the_held_out_kl_below_its_ptq_start(tiny_llama, tmp_path, init):
     teacher, student = load(tiny_llama), load(tiny_llama)
     start(student, qat.QATConfig(4, 32, init))
-    cfg = distill.DistillConfig(steps=30, batch_size=4, seq_len=64, lr=3e-4, warmup_steps=2, eval_every=0)
+    cfg = distill.DistillConfig(steps=60, batch_size=4, seq_len=64, lr=3e-4, warmup_steps=2, eval_every=0)
     held_out = tokens(2048, seed=100)                              # never trained on
     before = distill.held_out_kl(teacher, student, held_out)
     qat.train(teacher, student, tokens(8000, 5), None, cfg, 1e-3, str(tmp_path / "w"), progress=False)
-    assert distill.held_out_kl(teacher, student, held_out) < 0.95 * before   # measured 0.87 (rtn), 0.92 (gptq)
+    assert distill.held_out_kl(teacher, student, held_out) < 0.95 * before   # measured 0.93 (gptq, act-order start)
 
 
 def test_a_crashed_run_resumes_to_the_same_checkpoint(tiny_llama_tok, calib_text, tmp_path, monkeypatch):

@@ -4,14 +4,71 @@ rows for AWQ). Compression methods work one decoder layer at a time, feeding the
 outputs of the already-compressed one, so errors are measured where they accumulate."""
 from __future__ import annotations
 
+import json
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import CausalLM, DecoderLayer
+
+
+def required_sources(paths: list[str] | None, flag: str, why: str) -> list[str]:
+    """Every calibration source named by a repeatable `flag`, each checked before any work."""
+    if not paths:
+        raise ValueError(f"{flag} FILE is required {why} (a plain-text file, e.g. WikiText-2's validation split; "
+                         f"repeat {flag} to mix text, code and a .jsonl of chat conversations).")
+    for path in paths:
+        if path.endswith(".jsonl"):
+            conversations(path)
+        else:
+            read_text(path)
+    return list(paths)
+
+
+def conversations(path: str) -> list[list[dict]]:
+    """A .jsonl of chats, one per line: {"messages": [{"role", "content"}, ...]} (OpenAI's form)
+    or {"turns": ["...", ...]} (MT-Bench's user turns, each rendered as its own prompt)."""
+    out = []
+    for n, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n} is not JSON ({e.msg}); a chat calibration file has one "
+                             "conversation per line.") from None
+        if isinstance(row, dict) and isinstance(row.get("messages"), list) and row["messages"]:
+            out.append(row["messages"])
+        elif isinstance(row, dict) and isinstance(row.get("turns"), list):
+            out.extend([{"role": "user", "content": str(t)}] for t in row["turns"])
+        else:
+            raise ValueError(f"{path} line {n} has neither a \"messages\" list nor a \"turns\" list.")
+    if not out:
+        raise ValueError(f"{path} holds no conversation.")
+    return out
+
+
+def source_tokens(tokenizer, path: str) -> list[int]:
+    """A calibration source as one token stream: a text file as it reads, a .jsonl of chats
+    rendered through the model's own chat template (what the served model will see)."""
+    if not path.endswith(".jsonl"):
+        return tokenizer.encode(read_text(path), add_special_tokens=False)
+    ids: list[int] = []
+    for messages in conversations(path):
+        last_user = messages[-1].get("role") == "user"
+        ids += tokenizer.encode_chat(messages, add_generation_prompt=last_user, split_special_tokens=False)
+    return ids
+
+
+def mixed_windows(sources: list[list[int]], num_samples: int, seq_len: int) -> list[torch.Tensor]:
+    """`num_samples` windows drawn equally from every source (the first ones take the remainder)."""
+    if num_samples < len(sources):
+        raise ValueError(f"{len(sources)} calibration sources need at least as many samples; got {num_samples}.")
+    per, extra = divmod(num_samples, len(sources))
+    return [w for i, ids in enumerate(sources) for w in windows(ids, per + (i < extra), seq_len, seed=i)]
 
 
 def required(path: str | None, flag: str, why: str) -> str:
@@ -44,29 +101,45 @@ def windows(token_ids: list[int], num_samples: int, seq_len: int, seed: int = 0)
     return [torch.tensor(token_ids[s:s + seq_len], dtype=torch.long) for s in starts]
 
 
+def compute_dtype(name: str = "auto") -> torch.dtype:
+    """The dtype of the calibration's matrix products: bfloat16 where the CPU multiplies it
+    natively (AVX512-BF16, AMX: 3-4x float32's speed; float32 sums), float32 elsewhere (AVX2
+    has no bfloat16 arithmetic, so PyTorch would emulate it, slower than float32)."""
+    if name not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"--compute-dtype must be auto, float32 or bfloat16; got {name!r}.")
+    if name != "auto":
+        return getattr(torch, name)
+    from tokenmill.kernels.build import cpu_flags
+
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+
+
 @dataclass
 class InputStats:
     """What one linear layer's inputs looked like over the calibration set."""
     in_features: int
     want_xtx: bool = False
-    rows_per_call: int = 0                   # rows of each forward's input kept as the sample
+    dtype: torch.dtype = torch.float32        # of the X^T X products (their sums are float32)
     num_rows: int = 0
-    xtx: torch.Tensor | None = None          # (K, K) sum of x^T x
+    xtx: torch.Tensor | None = None          # (K, K) sum of x^T x: GPTQ's Hessian, AWQ's error metric
     sq: torch.Tensor | None = None           # (K,) sum of x^2 per input channel
-    rows: list[torch.Tensor] = field(default_factory=list)
+    abs_sum: torch.Tensor | None = None      # (K,) sum of |x| per input channel (AWQ's activation scale)
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, self.in_features).float()
+        x = x.reshape(-1, self.in_features)
+        xf = x.float()
         self.num_rows += x.shape[0]
-        self.sq = (x * x).sum(0) if self.sq is None else self.sq + (x * x).sum(0)
+        sq, ab = (xf * xf).sum(0), xf.abs().sum(0)
+        self.sq = sq if self.sq is None else self.sq.add_(sq)
+        self.abs_sum = ab if self.abs_sum is None else self.abs_sum.add_(ab)
         if self.want_xtx:
-            self.xtx = x.t() @ x if self.xtx is None else self.xtx.addmm_(x.t(), x)
-        if self.rows_per_call:
-            g = torch.Generator().manual_seed(len(self.rows))
-            self.rows.append(x[torch.randperm(x.shape[0], generator=g)[: self.rows_per_call]].clone())
+            xd = x.to(self.dtype)
+            prod = (xd.t() @ xd).float()
+            self.xtx = prod if self.xtx is None else self.xtx.add_(prod)
 
-    def sample(self) -> torch.Tensor:
-        return torch.cat(self.rows)
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / max(self.num_rows, 1)
 
 
 def linears(layer: DecoderLayer) -> dict[str, Linear]:
@@ -75,10 +148,11 @@ def linears(layer: DecoderLayer) -> dict[str, Linear]:
 
 
 class LayerWalk:
-    """Hidden states of the calibration windows, advanced one decoder layer at a time."""
+    """Hidden states of the calibration windows (float32), advanced one decoder layer at a time;
+    the layers' matrix products run in `dtype` (autocast), everything else in float32."""
 
-    def __init__(self, model: CausalLM, samples: list[torch.Tensor]) -> None:
-        self.model = model
+    def __init__(self, model: CausalLM, samples: list[torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
+        self.model, self.dtype = model, dtype
         self.rope = model.ropes(torch.arange(samples[0].numel()))
         with torch.no_grad():
             emb = model.model.embed_tokens
@@ -86,17 +160,19 @@ class LayerWalk:
             if model.cfg.embed_scale:
                 self.hidden = [h * torch.tensor(model.cfg.hidden_size ** 0.5, dtype=h.dtype) for h in self.hidden]
 
+    def _autocast(self):
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+
     @torch.no_grad()
-    def stats(self, layer: DecoderLayer, want_xtx: bool = False, max_rows: int = 0) -> dict[str, InputStats]:
-        """Run the layer over every window, recording its linear layers' inputs (and a sample of
-        about `max_rows` input rows each)."""
-        per_call = -(-max_rows // len(self.hidden)) if max_rows else 0
-        found = {name: InputStats(m.in_features, want_xtx, per_call) for name, m in linears(layer).items()}
+    def stats(self, layer: DecoderLayer, want_xtx: bool = False) -> dict[str, InputStats]:
+        """Run the layer over every window, recording its linear layers' inputs."""
+        found = {name: InputStats(m.in_features, want_xtx, self.dtype) for name, m in linears(layer).items()}
         hooks = [m.register_forward_pre_hook(lambda mod, args, st=found[name]: st.add(args[0]))
                  for name, m in linears(layer).items()]
         try:
-            for h in self.hidden:
-                layer(self.rope, h)
+            with self._autocast():
+                for h in self.hidden:
+                    layer(self.rope, h)
         finally:
             for hook in hooks:
                 hook.remove()
@@ -105,4 +181,5 @@ class LayerWalk:
     @torch.no_grad()
     def advance(self, layer: DecoderLayer) -> None:
         """Replace the hidden states by the (compressed) layer's outputs: the next layer's inputs."""
-        self.hidden = [layer(self.rope, h) for h in self.hidden]
+        with self._autocast():
+            self.hidden = [layer(self.rope, h).float() for h in self.hidden]

@@ -17,6 +17,9 @@ def add_eval_parser(sub) -> None:
     pp.add_argument("--context-len", type=int, default=512)
     pp.add_argument("--stride", type=int, default=256)
     pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the text")
+    pp.add_argument("--scoring", default="sliding", choices=["sliding", "chunks"],
+                    help="sliding: windows of --context-len advancing by --stride (Hugging Face's recipe); chunks: "
+                         "llama-perplexity's (non-overlapping chunks, BOS first, second half scored)")
     pp.add_argument("--dtype", default="auto")
     pp.add_argument("--device", default="auto")
     pp.add_argument("--quantization", default="auto", help="auto | none | int8 | int4 | awq | gptq (as for serving)")
@@ -32,7 +35,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tokenmill.compress.evaluate import perplexity
+    from tokenmill.compress.evaluate import chunked_perplexity, perplexity
     from tokenmill.models import loader
     from tokenmill.utils import default_model_path, resolve_device
 
@@ -44,12 +47,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model_path = args.model or default_model_path()
     loaded = loader.load(model_path, args.dtype, resolve_device(args.device), quantization=args.quantization,
                          group_size=args.quantization_group_size, activation_bits=args.activation_bits)
+    chunks = args.scoring == "chunks"
     with open(data, encoding="utf-8") as f:
-        ids = loaded.tokenizer.encode(f.read(), add_special_tokens=False)
+        ids = loaded.tokenizer.encode(f.read(), add_special_tokens=chunks)
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     torch.manual_seed(0)
-    result = perplexity(loaded.model, ids, args.context_len, args.stride)
+    if chunks:
+        bos = loaded.tokenizer.encode("", add_special_tokens=True)
+        result = chunked_perplexity(loaded.model, ids, args.context_len, bos[0] if bos else None)
+    else:
+        result = perplexity(loaded.model, ids, args.context_len, args.stride)
     result.update(model=model_path, data=os.path.abspath(data), quantization=args.quantization,
                   activation_bits=loaded.activation_bits)
     emit_json(result, args.output_json)
@@ -69,7 +77,8 @@ def cmd_compress(args: argparse.Namespace) -> int:
 
 def add_compress_parsers(sub) -> None:
     """quantize | prune | distill | qat: each writes a Hugging Face checkpoint directory, atomically."""
-    calib_help = "calibration text file (required by the methods that calibrate)"
+    calib_help = ("calibration source (required by the methods that calibrate): a text file, or a .jsonl of chats "
+                  "rendered with the model's template; repeat to mix sources, windows drawn equally from each")
 
     def common(p: argparse.ArgumentParser, dtype: str) -> None:
         p.add_argument("--output", required=True, help="directory to write (must not exist or be empty)")
@@ -86,11 +95,20 @@ def add_compress_parsers(sub) -> None:
     q.add_argument("--group-size", type=int, default=128, help="inputs per int4 scale (32, 64, 128, 256)")
     q.add_argument("--allow-partial-groups", action="store_true",
                    help="accept a group size that does not divide an input dimension (shorter last group)")
-    q.add_argument("--calib", default=None, help=calib_help)
+    q.add_argument("--calib", action="append", default=None, help=calib_help)
     q.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     q.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
-    q.add_argument("--act-order", action="store_true", help="GPTQ: columns by decreasing activation energy")
+    q.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: columns by decreasing activation energy, groups kept contiguous (default: on)")
     q.add_argument("--damp", type=float, default=0.01, help="GPTQ: Hessian damping (fraction of mean diagonal)")
+    q.add_argument("--hessian-shrink", type=float, default=0.25,
+                   help="GPTQ: pull X^T X's off-diagonal toward 0 by this fraction (0: plain GPTQ; robustness to text "
+                        "unlike the calibration's)")
+    q.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the calibration's matrix products (auto: bfloat16 where the CPU has AVX512-BF16 or AMX)")
+    q.add_argument("--output-format", default="safetensors", choices=["safetensors", "gguf"],
+                   help="safetensors: an AWQ/GPTQ checkpoint directory; gguf: one file llama.cpp runs "
+                        "(Q4_1/Q8_0 blocks holding the chosen integers; needs a GGUF --model)")
     common(q, "float16")
 
     pr = sub.add_parser("prune", help="prune: magnitude, wanda, 2:4, heads, ffn, layers")
@@ -99,7 +117,7 @@ def add_compress_parsers(sub) -> None:
     pr.add_argument("--sparsity", type=float, default=None,
                     help="fraction in (0, 1): of weights (magnitude, wanda), of query heads per KV group (heads), "
                          "of FFN channels (ffn), of layers (layers); 2:4 is 0.5")
-    pr.add_argument("--calib", default=None, help=calib_help)
+    pr.add_argument("--calib", action="append", default=None, help=calib_help)
     pr.add_argument("--calib-samples", type=int, default=64)
     pr.add_argument("--calib-seq-len", type=int, default=512)
     common(pr, "bfloat16")
@@ -135,8 +153,10 @@ def add_compress_parsers(sub) -> None:
     t.add_argument("--allow-partial-groups", action="store_true",
                    help="accept a group size that does not divide an input dimension (shorter last group)")
     t.add_argument("--init", default="rtn", help="the post-training quantization to start from: rtn | awq | gptq")
-    t.add_argument("--act-order", action="store_true", help="GPTQ start: columns by decreasing activation energy")
-    t.add_argument("--calib", default=None, help="calibration text for --init awq|gptq (default: --data)")
+    t.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ start: columns by decreasing activation energy (default: on)")
+    t.add_argument("--calib", action="append", default=None,
+                   help="calibration source for --init awq|gptq, repeatable as for quantize (default: --data)")
     t.add_argument("--calib-samples", type=int, default=128, help="calibration windows")
     t.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window")
     t.add_argument("--scale-lr", type=float, default=1e-3,

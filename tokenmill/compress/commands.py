@@ -27,6 +27,16 @@ def _tokens(loaded: loader.LoadedModel, path: str) -> list[int]:
     return loaded.tokenizer.encode(calib.read_text(path), add_special_tokens=False)
 
 
+def _calibration(loaded: loader.LoadedModel, paths: list[str], num_samples: int, seq_len: int) -> list[torch.Tensor]:
+    if loaded.tokenizer is None:
+        raise ValueError("the model has no tokenizer; calibration text cannot be tokenized.")
+    return calib.mixed_windows([calib.source_tokens(loaded.tokenizer, p) for p in paths], num_samples, seq_len)
+
+
+def _calib_report(paths: list[str], num_samples: int, seq_len: int) -> dict:
+    return {"files": [os.path.abspath(p) for p in paths], "samples": num_samples, "seq_len": seq_len}
+
+
 def _source_report(loaded: loader.LoadedModel, path: str | None) -> dict:
     return {"source": os.path.abspath(path or default_model_path()),
             "source_parameters": export.count_parameters(loaded.model)}
@@ -42,22 +52,33 @@ def _verify(out_dir: str) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> dict:
+    from tokenmill.compress import gguf_export
     from tokenmill.compress import quantize as q
 
-    export.check_output_dir(args.output, args.overwrite)
+    to_gguf = getattr(args, "output_format", "safetensors") == "gguf"
     cfg = q.QuantizeConfig(args.method, args.group_size, args.calib_samples, args.calib_seq_len, args.act_order,
-                           args.damp, args.allow_partial_groups)
-    calib_path = calib.required(args.calib, "--calib", f"for {cfg.method}") if cfg.calibrated else None
+                           args.damp, args.allow_partial_groups, args.compute_dtype, args.hessian_shrink)
+    if to_gguf:
+        export.check_output_file(args.output, args.overwrite)
+        gguf_export.check_source(args.model or default_model_path())
+    else:
+        export.check_output_dir(args.output, args.overwrite)
+    calib_paths = calib.required_sources(args.calib, "--calib", f"for {cfg.method}") if cfg.calibrated else None
     loaded = _load_float(args.model)
     cfg.validate(loaded.model)
     t0 = time.perf_counter()
-    samples = calib.windows(_tokens(loaded, calib_path), cfg.calib_samples, cfg.calib_seq_len) \
-        if cfg.calibrated else None
+    samples = _calibration(loaded, calib_paths, cfg.calib_samples, cfg.calib_seq_len) if cfg.calibrated else None
     report = {"command": "quantize", "method": cfg.method, "group_size": cfg.group_size if cfg.bits == 4 else -1,
-              "bits": cfg.bits, "act_order": cfg.act_order, **_source_report(loaded, args.model),
-              "calibration": {"file": os.path.abspath(calib_path), "samples": cfg.calib_samples,
-                              "seq_len": cfg.calib_seq_len} if samples else None}
+              "bits": cfg.bits, "act_order": cfg.uses_act_order, "hessian_shrink": cfg.shrink if cfg.method == "gptq" else None, **_source_report(loaded, args.model),
+              "calibration": _calib_report(calib_paths, cfg.calib_samples, cfg.calib_seq_len) if samples else None}
     results = q.quantize_model(loaded.model, cfg, samples, progress=not args.quiet)
+    if to_gguf:
+        with export.atomic_output_file(args.output, args.overwrite) as tmp:
+            gguf_export.write_gguf(tmp, args.model or default_model_path(), loaded.model, results, cfg.method)
+            report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            report.update(parameters=report["source_parameters"], output_format="gguf")
+            _verify(tmp)
+        return report
     tensors = export.float_tensors(loaded.model, skip=set(results))
     tensors.update(q.checkpoint_tensors(loaded.model, results, cfg))
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
@@ -74,11 +95,11 @@ def run_prune(args: argparse.Namespace) -> dict:
 
     export.check_output_dir(args.output, args.overwrite)
     sparsity = prune.validate(args.method, args.sparsity)
-    calib_path = calib.required(args.calib, "--calib", f"for {args.method} pruning") \
+    calib_paths = calib.required_sources(args.calib, "--calib", f"for {args.method} pruning") \
         if prune.needs_calibration(args.method) else None
     loaded = _load_float(args.model)
     t0 = time.perf_counter()
-    samples = calib.windows(_tokens(loaded, calib_path), args.calib_samples, args.calib_seq_len) \
+    samples = _calibration(loaded, calib_paths, args.calib_samples, args.calib_seq_len) \
         if prune.needs_calibration(args.method) else None
     report = {"command": "prune", "method": args.method, "sparsity": sparsity, **_source_report(loaded, args.model)}
     if args.method in prune.STRUCTURED:
@@ -153,7 +174,8 @@ def run_qat(args: argparse.Namespace) -> dict:
                          args.calib_samples, args.calib_seq_len, args.scale_lr)
     cfg, data = _distill_config(args)
     calibrated = qcfg.quantize_config().calibrated
-    calib_path = calib.required(args.calib or data, "--calib", f"for --init {qcfg.init}") if calibrated else None
+    calib_paths = calib.required_sources(args.calib or [data], "--calib", f"for --init {qcfg.init}") \
+        if calibrated else None
     student = _load_float(args.model)
     qcfg.validate(student.model)
     teacher = _load_float(args.teacher or args.model)
@@ -163,7 +185,7 @@ def run_qat(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     results = qat.load_start(work_dir, qcfg, student.model)
     if results is None:
-        samples = calib.windows(_tokens(student, calib_path), qcfg.calib_samples, qcfg.calib_seq_len) \
+        samples = _calibration(student, calib_paths, qcfg.calib_samples, qcfg.calib_seq_len) \
             if calibrated else None
         results = q.quantize_model(student.model, qcfg.quantize_config(), samples, progress=not args.quiet)
         qat.latent_start(student.model, results)
@@ -176,7 +198,7 @@ def run_qat(args: argparse.Namespace) -> dict:
     report = {"command": "qat", "method": f"qat-{qcfg.init}", "bits": qcfg.bits, "group_size": qcfg.group_size,
               **_source_report(student, args.model),
               "teacher": os.path.abspath(args.teacher or args.model or default_model_path()),
-              "data": os.path.abspath(data), "calibration": os.path.abspath(calib_path) if calib_path else None,
+              "data": os.path.abspath(data), "calibration": [os.path.abspath(p) for p in calib_paths] if calib_paths else None,
               "eval_data": os.path.abspath(args.eval_data) if args.eval_data else None,
               "qat": qcfg.__dict__, "config": cfg.__dict__, "init_s": round(init_s, 1),
               "elapsed_s": round(time.perf_counter() - t0, 1), "history": history}

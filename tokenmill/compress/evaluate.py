@@ -2,7 +2,8 @@
 
 Windows of `context_len` tokens advance by `stride`; each window scores only the tokens that no
 earlier window scored, with up to `context_len - stride` tokens of left context (Hugging Face's
-recipe), so the number is comparable across tools.
+recipe), so the number is comparable across tools. `chunked_perplexity` is llama.cpp's `llama-perplexity`
+recipe instead, token for token: the number to hold against that tool's on the same file.
 """
 from __future__ import annotations
 
@@ -51,3 +52,33 @@ def perplexity(model: CausalLM, token_ids: list[int], context_len: int = 512, st
         bar.close()
     return {"perplexity": math.exp(nll / counted), "nll_per_token": nll / counted, "tokens_scored": counted,
             "context_len": context_len, "stride": stride, "elapsed_s": time.perf_counter() - t0}
+
+
+@torch.inference_mode()
+def chunked_perplexity(model: CausalLM, token_ids: list[int], context_len: int = 512, bos_id: int | None = None,
+                       max_chunks: int | None = None) -> dict:
+    """llama-perplexity's default: non-overlapping chunks of `context_len` tokens of the text
+    tokenized with its special tokens; each chunk's first token replaced by BOS when the
+    tokenizer adds one; only the second half of each chunk scored (every scored token has at
+    least context_len / 2 tokens of context)."""
+    if context_len < 4:
+        raise ValueError(f"need context_len >= 4; got {context_len}.")
+    chunks = len(token_ids) // context_len
+    if max_chunks is not None:
+        chunks = min(chunks, max_chunks)
+    if chunks < 1:
+        raise ValueError(f"the text has {len(token_ids)} tokens, fewer than one chunk of {context_len}.")
+    device = model.model.embed_tokens.device
+    first = context_len // 2
+    nll, counted, t0 = 0.0, 0, time.perf_counter()
+    for i in range(chunks):
+        window = torch.tensor(token_ids[i * context_len:(i + 1) * context_len], dtype=torch.long, device=device)
+        if bos_id is not None:
+            window[0] = bos_id
+        logits = model.compute_logits(model(window, torch.arange(context_len, device=device)))
+        logprobs = torch.log_softmax(logits[first:-1].float(), dim=-1)
+        nll -= logprobs.gather(1, window[first + 1:, None])[:, 0].sum().item()
+        counted += context_len - 1 - first
+    return {"perplexity": math.exp(nll / counted), "nll_per_token": nll / counted, "tokens_scored": counted,
+            "context_len": context_len, "chunks": chunks, "scoring": "chunks",
+            "elapsed_s": time.perf_counter() - t0}

@@ -56,6 +56,36 @@ def atomic_output_dir(path: str, overwrite: bool = False) -> Iterator[str]:
         raise
 
 
+def check_output_file(path: str, overwrite: bool = False) -> None:
+    """A single-file output (GGUF): refused early if it exists (unless `overwrite`) or cannot be made."""
+    if os.path.isdir(path):
+        raise ValueError(f"output {path!r} is a directory; --output-format gguf writes one file.")
+    if os.path.exists(path) and not overwrite:
+        raise ValueError(f"output {path!r} exists; choose another name or pass --overwrite.")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"cannot create {path!r}: {parent} is not a writable directory.")
+
+
+@contextlib.contextmanager
+def atomic_output_file(path: str, overwrite: bool = False) -> Iterator[str]:
+    """Yield a temporary file name beside `path`, renamed onto it on success and removed on any
+    error: a half-written model file never appears under `path`."""
+    check_output_file(path, overwrite)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.partial-", dir=os.path.dirname(os.path.abspath(path)))
+    os.close(fd)
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
 def check_exportable(arch: ArchConfig) -> None:
     """The compression commands write Llama, Qwen2 and Gemma checkpoints; the newer families' own
     config fields (norm layouts, windows, experts) are not written yet, so they are refused before

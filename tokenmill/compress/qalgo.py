@@ -76,40 +76,47 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
 
 
 def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bool = False,
-         act_order: bool = False, damp: float = 0.01) -> QuantizedWeight:
+         act_order: bool = False, damp: float = 0.01, shrink: float = 0.0) -> QuantizedWeight:
     """Quantize columns one at a time, spreading each column's rounding error over the columns not
     yet quantized through the inverse Hessian H = X^T X of the layer's inputs (lazy batch updates
     in blocks; group scales fixed when a group's first column is reached). `act_order` handles
-    columns by decreasing activation energy first; groups are then formed in that order and
-    `g_idx` records them."""
+    columns by decreasing activation energy first while the groups stay contiguous runs of
+    inputs, their scales fixed from the weights before any error feedback (GPTQModel's "static
+    groups"): `g_idx` stays the natural one, so every layout and kernel (and GGUF) holds it.
+    `shrink` pulls H toward its diagonal, H' = (1 - shrink) H + shrink diag(H): the error feedback
+    exploits the calibration inputs' correlations between channels, which another text does not
+    share; with a diagonal H, GPTQ is RTN (benchmarks/quantize_ood.sh measures the trade)."""
     w = w.float().clone()
     n, k = w.shape
     h = xtx.double().clone()
+    if shrink:
+        h.mul_(1 - shrink).diagonal().add_(shrink * xtx.double().diagonal())
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else torch.arange(k)
-    w, h = w[:, perm], h[perm][:, perm]
-    h += damp * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
-    try:
-        hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
-    except torch.linalg.LinAlgError:
-        raise ValueError("the layer's input Hessian is not positive definite even after damping; "
-                         "raise --damp or use more calibration samples.") from None
     size = k if group_size == -1 else group_size
-    block = size * max(1, 128 // size) if group_size != -1 else 128
     num_groups = math.ceil(k / size)
-    q, source = torch.zeros(n, k), torch.zeros(n, k)
     scales, zeros = torch.zeros(n, num_groups), torch.zeros(n, num_groups)
-    if group_size == -1:
-        scales[:, 0], zeros[:, 0] = grid(w, bits, sym)
+    static = act_order or group_size == -1
+    if static:
+        for g, (s, e) in enumerate(group_bounds(k, group_size)):
+            scales[:, g], zeros[:, g] = grid(w[:, s:e], bits, sym)
+    perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else torch.arange(k)
+    group_of = perm // size  # the (static) group of each column in processing order
+    w, h = w[:, perm], h[perm][:, perm]
+    if not bool(torch.isfinite(h).all()):
+        raise ValueError("the layer's inputs overflowed (non-finite X^T X); the model's activations are too large "
+                         "for the calibration dtype: try --compute-dtype float32.")
+    hinv = _inverse_cholesky(h, damp)
+    block = size * max(1, 128 // size) if group_size != -1 else 128
+    q, source = torch.zeros(n, k), torch.zeros(n, k)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            g = col // size
-            if group_size != -1 and col % size == 0:
+            g = int(group_of[col])
+            if not static and col % size == 0:
                 scales[:, g], zeros[:, g] = grid(w1[:, i:i + size], bits, sym)
             qc = quantize_cols(w1[:, i:i + 1], scales[:, g], zeros[:, g], bits)[:, 0]
             q[:, col], source[:, col] = qc, w1[:, i]
@@ -118,8 +125,23 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inv = torch.argsort(perm)
-    g_idx = (torch.arange(k) // size)[inv]
-    return QuantizedWeight(q[:, inv].long(), zeros.long(), scales, g_idx, bits, source[:, inv])
+    return QuantizedWeight(q[:, inv].long(), zeros.long(), scales, default_g_idx(k, group_size), bits, source[:, inv])
+
+
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1. Rounding in the sums of X^T X can
+    leave H a hair from positive definite on nearly collinear inputs; the damping then grows 10x
+    at a time up to the mean diagonal itself (GPTQModel's auto-increment) rather than fail."""
+    k, mean = h.shape[0], torch.diagonal(h).mean()
+    while True:
+        try:
+            damped = h + damp * mean * torch.eye(k, dtype=h.dtype)
+            return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True).float()
+        except torch.linalg.LinAlgError:
+            if damp >= 1.0:
+                raise ValueError("the layer's input Hessian is not positive definite even with damping equal to its "
+                                 "mean diagonal; use more calibration samples.") from None
+            damp = min(1.0, damp * 10)
 
 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
@@ -127,21 +149,49 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float
     return float(((x @ (w_hat - w).t()) ** 2).mean())
 
 
-def awq_scales(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, steps: int = 20,
-               ) -> tuple[torch.Tensor, float, float]:
+def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, xtx: torch.Tensor, rows: int) -> float:
+    """`output_error` over every calibration row at once from H = X^T X (rows of X: `rows`):
+    mean((X dW^T)^2) = tr(dW H dW^T) / (rows * N). Costs N K^2 however many rows calibrated;
+    `xtx` may be bfloat16 (the product's sums stay float32 up to its rounding)."""
+    d = w_hat.float() - w.float()
+    return float(((d.to(xtx.dtype) @ xtx).float() * d).sum()) / (rows * w.shape[0])
+
+
+def fake_quant(w: torch.Tensor, bits: int, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
+    """`rtn(...).dequantize()` for every group at once (the searches' inner loop): asymmetric,
+    `clip` (N, G) shrinking each group's range."""
+    n, k = w.shape
+    size = k if group_size == -1 else group_size
+    full, maxq = k // size, 2 ** bits - 1
+    out = torch.empty(n, k)
+    pieces = [(0, full * size, size, slice(0, full))] + ([(full * size, k, k - full * size, slice(full, full + 1))]
+                                                          if k % size else [])
+    for s, e, width, groups in pieces:
+        wg = w[:, s:e].float().reshape(n, -1, width)
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        if clip is not None:
+            lo, hi = lo * clip[:, groups], hi * clip[:, groups]
+        scale = ((hi - lo) / maxq).clamp(min=2 ** -20).half().float()[..., None]
+        zero = (-lo[..., None] / scale).round().clamp(0, maxq)
+        q = ((wg / scale).round() + zero).clamp(0, maxq)
+        out[:, s:e] = ((q - zero) * scale).reshape(n, e - s)
+    return out
+
+
+def awq_scales(w: torch.Tensor, xtx: torch.Tensor, x_mag: torch.Tensor, rows: int, bits: int, group_size: int,
+               steps: int = 20) -> tuple[torch.Tensor, float, float]:
     """Search per-input-channel scales s = mean|x|^a (normalised), a in [0, 1): quantize W*diag(s)
-    and run it on x/s. a = 0 is plain RTN and is always a candidate, so the chosen loss is never
-    above RTN's. Returns (s, loss of RTN, loss with s)."""
+    and run it on x/s, the error measured on every calibration row through H = X^T X. a = 0 is
+    plain RTN and is always a candidate, so the chosen loss is never above RTN's. Returns
+    (s, loss of RTN, loss with s)."""
     w = w.float()
-    x_mag = x.abs().mean(0).clamp(min=1e-8)
+    x_mag = x_mag.float().clamp(min=1e-8)
     best = (torch.ones(w.shape[1]), float("inf"))
     rtn_loss = float("nan")
     for i in range(steps):
-        a = i / steps
-        s = x_mag.pow(a)
+        s = x_mag.pow(i / steps)
         s = s / (s.max() * s.min()).sqrt()
-        w_hat = rtn(w * s, bits, group_size).dequantize() / s
-        loss = output_error(w, w_hat, x)
+        loss = hessian_error(w, fake_quant(w * s, bits, group_size) / s, xtx, rows)
         if i == 0:
             rtn_loss = loss
         if loss < best[1]:
@@ -149,27 +199,29 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, ste
     return best[0], rtn_loss, best[1]
 
 
-def awq_clip(w: torch.Tensor, x: torch.Tensor, bits: int, group_size: int, steps: int = 20,
-             max_shrink: float = 0.5, rows_per_chunk: int = 256) -> torch.Tensor:
+def awq_clip(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, steps: int = 20,
+             max_shrink: float = 0.5) -> torch.Tensor:
     """Per (row, group) range shrink factor in [1 - max_shrink, 1] minimising that group's share
-    of the output error on x; factor 1 (no clipping) is a candidate. Returns (N, G)."""
+    of the output error, tr(dW_g H_gg dW_g^T) with H_gg the group's diagonal block of X^T X; factor
+    1 (no clipping) is a candidate. All groups of a width at once (a batched product). Returns (N, G)."""
     w = w.float()
     n, k = w.shape
-    bounds = group_bounds(k, group_size)
-    best = torch.ones(n, len(bounds))
-    for g, (s, e) in enumerate(bounds):
-        xg = x[:, s:e]                                           # (T, gs)
-        for r0 in range(0, n, rows_per_chunk):
-            wg = w[r0:r0 + rows_per_chunk, s:e]                  # (R, gs)
-            ref = xg @ wg.t()                                    # (T, R)
-            best_err = torch.full((wg.shape[0],), float("inf"))
-            for i in range(steps):
-                f = 1.0 - max_shrink * i / steps
-                clip = torch.full((wg.shape[0],), f)
-                scale, zero = grid(wg, bits, False, clip)
-                wq = (quantize_cols(wg, scale, zero, bits) - zero[:, None]) * scale[:, None]
-                err = ((xg @ wq.t() - ref) ** 2).mean(0)
-                better = err < best_err
-                best_err = torch.where(better, err, best_err)
-                best[r0:r0 + rows_per_chunk, g] = torch.where(better, clip, best[r0:r0 + rows_per_chunk, g])
+    size = k if group_size == -1 else group_size
+    full = k // size
+    best = torch.ones(n, len(group_bounds(k, group_size)))
+    pieces = [(0, full * size, size, slice(0, full))] + ([(full * size, k, k - full * size, slice(full, full + 1))]
+                                                          if k % size else [])
+    for s, e, width, groups in pieces:
+        gcount = (e - s) // width
+        hb = torch.stack([xtx[s + g * width:s + (g + 1) * width, s + g * width:s + (g + 1) * width]
+                          for g in range(gcount)])                                   # (G, gs, gs)
+        wg = w[:, s:e]
+        best_err = torch.full((n, gcount), float("inf"))
+        for i in range(steps):
+            f = torch.full((n, gcount), 1.0 - max_shrink * i / steps)
+            d = (fake_quant(wg, bits, width, f) - wg).reshape(n, gcount, width)
+            err = ((torch.bmm(d.transpose(0, 1).to(hb.dtype), hb).float().transpose(0, 1)) * d).sum(-1)  # (N, G)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best[:, groups] = torch.where(better, f, best[:, groups])
     return best

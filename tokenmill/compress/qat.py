@@ -47,7 +47,7 @@ class QATConfig:
     group_size: int = 128              # 4 bits: inputs per scale; 8 bits: -1 (per output channel)
     init: str = "rtn"
     allow_partial_groups: bool = False
-    act_order: bool = False            # GPTQ start: columns by decreasing activation energy
+    act_order: bool | None = None      # GPTQ start: columns by decreasing activation energy (None: on)
     calib_samples: int = 128
     calib_seq_len: int = 512
     scale_lr: float = 1e-3             # Adam learning rate of log s (0: scales frozen, plain STE)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.compress import qalgo
+from tokenmill.compress import calib, qalgo
 from tokenmill.compress.calib import LayerWalk, linears
 from tokenmill.compress.export import split_rows
 from tokenmill.layers.linear import Linear
@@ -27,14 +27,21 @@ class QuantizeConfig:
     group_size: int = 128
     calib_samples: int = 128
     calib_seq_len: int = 512
-    act_order: bool = False            # GPTQ: quantize columns by decreasing activation energy
+    # GPTQ: columns by decreasing activation energy, groups kept contiguous (qalgo.gptq). None: on for
+    # GPTQ — in-domain and out-of-domain perplexity both fell with it (benchmarks/quantize_ood.sh)
+    act_order: bool | None = None
     damp: float = 0.01                 # GPTQ: diagonal damping, a fraction of the mean diagonal
     allow_partial_groups: bool = False  # a group size that does not divide K: the last group is shorter
-    awq_rows: int = 4096               # AWQ: input rows sampled for the scale search (512 for clipping)
+    compute_dtype: str = "auto"        # the calibration's matrix products (calib.compute_dtype)
+    shrink: float = 0.25               # GPTQ: H's off-diagonal shrinkage toward its diagonal (qalgo.gptq)
 
     @property
     def bits(self) -> int:
         return 8 if self.method == "rtn-int8" else 4
+
+    @property
+    def uses_act_order(self) -> bool:
+        return self.method == "gptq" and self.act_order is not False
 
     @property
     def calibrated(self) -> bool:
@@ -46,9 +53,12 @@ class QuantizeConfig:
             raise ValueError(f"--method must be one of {list(METHODS)}, got {self.method!r}.")
         if self.calibrated and (self.calib_samples < 1 or self.calib_seq_len < 16):
             raise ValueError("need --calib-samples >= 1 and --calib-seq-len >= 16.")
+        calib.compute_dtype(self.compute_dtype)
+        if not 0 <= self.shrink < 1:
+            raise ValueError(f"--hessian-shrink must lie in [0, 1), got {self.shrink}.")
         if not 0 < self.damp < 1:
             raise ValueError(f"--damp must lie in (0, 1), got {self.damp}.")
-        if self.act_order and self.method != "gptq":
+        if self.act_order is not None and self.method != "gptq":
             raise ValueError(f"--act-order orders GPTQ's columns; it does not apply to {self.method}.")
         if self.method == "rtn-int8":
             return  # per output channel: no groups
@@ -72,7 +82,7 @@ class QuantizeConfig:
                     "version": "gemm", "modules_to_not_convert": None}
         group = -1 if self.method == "rtn-int8" else self.group_size
         return {"quant_method": "gptq", "bits": self.bits, "group_size": group, "sym": self.method == "rtn-int8",
-                "desc_act": self.method == "gptq" and self.act_order, "damp_percent": self.damp,
+                "desc_act": self.uses_act_order, "damp_percent": self.damp,
                 "true_sequential": False, "checkpoint_format": "gptq",
                 "quantizer": [f"tokenmill:{self.method}"]}
 
@@ -84,7 +94,7 @@ def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Ten
     module name. Embeddings, norms and the output projection stay float, as in AWQ and GPTQ."""
     cfg.validate(model)
     layers = list(model.model.layers)
-    walk = LayerWalk(model, samples) if cfg.calibrated else None
+    walk = LayerWalk(model, samples, calib.compute_dtype(cfg.compute_dtype)) if cfg.calibrated else None
     results: dict[str, qalgo.QuantizedWeight] = {}
     bar = _bar(len(layers), f"quantize {cfg.method}", progress)
     for i, layer in enumerate(layers):
@@ -92,8 +102,8 @@ def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Ten
             stats = walk.stats(layer, want_xtx=True)
             for name, m in linears(layer).items():
                 results[f"model.layers.{i}.{name}"] = _apply(
-                    m, qalgo.gptq(m.weight.data, stats[name].xtx, 4, cfg.group_size, act_order=cfg.act_order,
-                                  damp=cfg.damp))
+                    m, qalgo.gptq(m.weight.data, stats[name].xtx, 4, cfg.group_size, act_order=cfg.uses_act_order,
+                                  damp=cfg.damp, shrink=cfg.shrink))
         elif cfg.method == "awq":
             results.update({f"model.layers.{i}.{n}": q for n, q in _awq_layer(model, layer, walk, cfg).items()})
         else:
@@ -119,14 +129,16 @@ def _awq_layer(model: CausalLM, layer: DecoderLayer, walk: LayerWalk, cfg: Quant
                ) -> dict[str, qalgo.QuantizedWeight]:
     """Scale search for the four input groups on float weights, fold the scales into what
     precedes each group, clip search on the scaled weights, then round."""
-    stats = walk.stats(layer, max_rows=cfg.awq_rows)
+    stats = walk.stats(layer, want_xtx=True)
+    hess = {name: st.xtx.to(walk.dtype) for name, st in stats.items()}
     mods = linears(layer)
     attn, mlp = layer.self_attn, layer.mlp
     scales: dict[str, torch.Tensor] = {}
     for name, m in mods.items():
         if name == "self_attn.o_proj" and attn.num_heads != attn.num_kv_heads:
             continue  # o_proj's inputs come from several query heads per v row: nothing to fold into
-        scales[name], _, _ = qalgo.awq_scales(m.weight.data, stats[name].sample(), 4, cfg.group_size)
+        st = stats[name]
+        scales[name], _, _ = qalgo.awq_scales(m.weight.data, hess[name], st.mean_abs, st.num_rows, 4, cfg.group_size)
     with torch.no_grad():
         for name, s in scales.items():
             mods[name].weight.data.mul_(s)
@@ -142,10 +154,10 @@ def _awq_layer(model: CausalLM, layer: DecoderLayer, walk: LayerWalk, cfg: Quant
     for name, m in mods.items():
         clip = None
         if name != "self_attn.qkv_proj":  # clipping q/k distorts attention scores (AWQ skips them too)
-            x = stats[name].sample()[:512]
-            if name in scales:
-                x = x / scales[name]
-            clip = qalgo.awq_clip(m.weight.data, x, 4, cfg.group_size)
+            h = stats[name].xtx
+            if name in scales:  # the scaled layer's inputs are x / s
+                h = h / (scales[name][:, None] * scales[name][None, :])
+            clip = qalgo.awq_clip(m.weight.data, h.to(walk.dtype), 4, cfg.group_size)
         out[name] = _apply(m, qalgo.rtn(m.weight.data, 4, cfg.group_size, clip=clip))
     return out
 

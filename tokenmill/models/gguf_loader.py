@@ -72,7 +72,7 @@ class GGUFFile:
         alone: what the metadata's sizes are checked against before anything is allocated."""
         shapes = {}
         for name, t in self.tensors.items():
-            hf = self._hf_name(name)
+            hf = self.hf_name(name)
             shape = tuple(int(d) for d in reversed(t.shape))
             if hf is not None and "{e}" in hf:
                 shapes.update((hf.format(e=e), shape[1:]) for e in range(shape[0]))
@@ -85,7 +85,7 @@ class GGUFFile:
         kept as int4) or the block type's name: what the memory check counts."""
         out = []
         for name, t in self.tensors.items():
-            hf = self._hf_name(name)
+            hf = self.hf_name(name)
             if hf is not None:
                 kind = t.tensor_type.name
                 out.append((hf, int(t.n_elements), "float" if kind in FLOAT_TYPES else
@@ -110,7 +110,7 @@ class GGUFFile:
         stored in a block format. A stacked expert tensor yields one tensor per expert."""
         permute = self.architecture in ("llama", "mistral")
         for name, t in self.tensors.items():
-            hf = self._hf_name(name)
+            hf = self.hf_name(name)
             if hf is None:
                 continue
             kind = t.tensor_type.name
@@ -142,7 +142,8 @@ class GGUFFile:
             return None
         return tuple(self._dequantize(self.tensors[n]).reshape(-1).tolist() for n in _ROPE_FACTORS)
 
-    def _hf_name(self, name: str) -> str | None:
+    def hf_name(self, name: str) -> str | None:
+        """The Hugging Face name of GGUF tensor `name`, or None for a tensor the model does not load."""
         m = _BLK.match(name)
         if m:
             layer, part, kind = m.groups()
@@ -168,3 +169,10 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Inverse of llama.cpp's `permute`: rows (head, pair, half) -> (head, half, pair)."""
     rows = w.shape[0]
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's `permute` of Q/K rows (the inverse of `_unpermute`), for any per-row tensor:
+    weights, biases, or a quantized tensor's rows of block bytes."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
