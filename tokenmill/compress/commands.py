@@ -52,42 +52,75 @@ def _verify(out_dir: str) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> dict:
+    """Streams the source a decoder layer at a time (compress/stream.py): memory is one layer in
+    float32 plus the calibration's activations plus the packed output, at any model size."""
     from tokenmill.compress import gguf_export
     from tokenmill.compress import quantize as q
+    from tokenmill.compress.stream import LayerStream, calibration_bytes
 
     to_gguf = getattr(args, "output_format", "safetensors") == "gguf"
+    source = args.model or default_model_path()
     cfg = q.QuantizeConfig(args.method, args.group_size, args.calib_samples, args.calib_seq_len, args.act_order,
                            args.damp, args.allow_partial_groups, args.compute_dtype, args.hessian_shrink)
     if to_gguf:
         export.check_output_file(args.output, args.overwrite)
-        gguf_export.check_source(args.model or default_model_path())
+        gguf_export.check_source(source)
     else:
         export.check_output_dir(args.output, args.overwrite)
     calib_paths = calib.required_sources(args.calib, "--calib", f"for {cfg.method}") if cfg.calibrated else None
-    loaded = _load_float(args.model)
-    cfg.validate(loaded.model)
+    stream = LayerStream(source)
+    cfg.validate(stream.model)
+    stream.check_fits(calibration_bytes(stream.arch, cfg.calib_samples, cfg.calib_seq_len) if cfg.calibrated else 0)
     t0 = time.perf_counter()
-    samples = _calibration(loaded, calib_paths, cfg.calib_samples, cfg.calib_seq_len) if cfg.calibrated else None
+    samples = calib.mixed_windows([calib.source_tokens(stream.tokenizer, p) for p in calib_paths],
+                                  cfg.calib_samples, cfg.calib_seq_len) if cfg.calibrated else None
     report = {"command": "quantize", "method": cfg.method, "group_size": cfg.group_size if cfg.bits == 4 else -1,
-              "bits": cfg.bits, "act_order": cfg.uses_act_order, "hessian_shrink": cfg.shrink if cfg.method == "gptq" else None, **_source_report(loaded, args.model),
+              "bits": cfg.bits, "act_order": cfg.uses_act_order,
+              "hessian_shrink": cfg.shrink if cfg.method == "gptq" else None,
+              "source": os.path.abspath(source), "source_parameters": stream.parameters(),
               "calibration": _calib_report(calib_paths, cfg.calib_samples, cfg.calib_seq_len) if samples else None}
-    results = q.quantize_model(loaded.model, cfg, samples, progress=not args.quiet)
+    model = stream.model
+    if to_gguf:
+        sink = gguf_export.GGUFBlocks(model)
+        q.quantize_model(model, cfg, samples, progress=not args.quiet, stream=stream, on_layer=sink.add)
+    else:
+        packed: dict[str, torch.Tensor] = {}
+        quantized: set[str] = set()
+
+        def keep(found: dict) -> None:
+            packed.update(q.checkpoint_tensors(model, found, cfg))
+            quantized.update(found)
+
+        q.quantize_model(model, cfg, samples, progress=not args.quiet, stream=stream, on_layer=keep)
+    layers = stream.arch.num_layers
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    report.update(seconds_per_layer=round(report["elapsed_s"] / layers, 2), parameters=report["source_parameters"],
+                  compute_dtype=str(calib.compute_dtype(cfg.compute_dtype)).replace("torch.", ""))
     if to_gguf:
         with export.atomic_output_file(args.output, args.overwrite) as tmp:
-            gguf_export.write_gguf(tmp, args.model or default_model_path(), loaded.model, results, cfg.method)
-            report["elapsed_s"] = round(time.perf_counter() - t0, 1)
-            report.update(parameters=report["source_parameters"], output_format="gguf")
+            sink.write(tmp, source, model, cfg.method)
+            sink = model = stream = None  # noqa: F841 - freed before the verifying load
+            report.update(output_format="gguf", peak_rss_gb=_peak_rss_gb())
             _verify(tmp)
         return report
-    tensors = export.float_tensors(loaded.model, skip=set(results))
-    tensors.update(q.checkpoint_tensors(loaded.model, results, cfg))
-    report["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    report["parameters"] = report["source_parameters"]
+    stream.load_head()
+    tensors = export.float_tensors(model, skip=quantized)
+    tensors.update(packed)
+    packed.clear()
     with export.atomic_output_dir(args.output, args.overwrite) as tmp:
-        export.write_checkpoint(tmp, loaded.arch, loaded.tokenizer, tensors, args.dtype,
+        export.write_checkpoint(tmp, stream.arch, stream.tokenizer, tensors, args.dtype,
                                 cfg.hf_quantization_config(), report)
+        tensors = model = stream = None  # noqa: F841 - freed before the verifying load
+        report["peak_rss_gb"] = _peak_rss_gb()
         _verify(tmp)
     return report
+
+
+def _peak_rss_gb() -> float:
+    """This process's peak resident memory so far (Linux reports KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
 
 
 def run_prune(args: argparse.Namespace) -> dict:

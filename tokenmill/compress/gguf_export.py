@@ -64,27 +64,42 @@ def q8_0_blocks(qw: QuantizedWeight) -> np.ndarray:
     return torch.cat([d.view(torch.uint8).view(n, k // 32, 2), qs], dim=2).reshape(n, -1).numpy()
 
 
-def write_gguf(path: str, source: str, model: CausalLM, results: dict[str, QuantizedWeight], method: str) -> None:
+class GGUFBlocks:
+    """The quantized layers' blocks, collected a layer at a time as `quantize` finishes each
+    (`add`), then written with everything else the source file holds (`write`)."""
+
+    def __init__(self, model: CausalLM) -> None:
+        self.modules = dict(model.named_modules())
+        self.blocks: dict[str, tuple[torch.Tensor, int]] = {}
+        self.biases: dict[str, torch.Tensor] = {}
+
+    def add(self, results: dict[str, QuantizedWeight]) -> None:
+        import gguf
+
+        for name, qw in results.items():
+            if qw.bits == 4:
+                data, kind = torch.from_numpy(q4_1_blocks(qw)), gguf.GGMLQuantizationType.Q4_1
+            else:
+                data, kind = torch.from_numpy(q8_0_blocks(qw)), gguf.GGMLQuantizationType.Q8_0
+            m = self.modules[name]
+            for shard, rows in split_rows(name, m, data).items():
+                self.blocks[f"{shard}.weight"] = (rows, kind)
+            if m.bias is not None:
+                self.biases.update((f"{shard}.bias", rows.clone())
+                                   for shard, rows in split_rows(name, m, m.bias.data).items())
+
+    def write(self, path: str, source: str, model: CausalLM, method: str) -> None:
+        write_gguf(path, source, model, self.blocks, self.biases, method)
+
+
+def write_gguf(path: str, source: str, model: CausalLM, blocks: dict, biases: dict, method: str) -> None:
     import gguf
 
     src = GGUFFile(source)
     reader = gguf.GGUFReader(source)
     heads = {"attn_q": model.cfg.num_heads, "attn_k": model.cfg.num_kv_heads}
     permute = src.architecture in ("llama", "mistral")
-    modules = dict(model.named_modules())
     params = dict(model.named_parameters())
-    blocks: dict[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] = {}
-    biases: dict[str, torch.Tensor] = {}
-    for name, qw in results.items():
-        if qw.bits == 4:
-            data, kind = torch.from_numpy(q4_1_blocks(qw)), gguf.GGMLQuantizationType.Q4_1
-        else:
-            data, kind = torch.from_numpy(q8_0_blocks(qw)), gguf.GGMLQuantizationType.Q8_0
-        m = modules[name]
-        for shard, rows in split_rows(name, m, data).items():
-            blocks[f"{shard}.weight"] = (rows, kind)
-        if m.bias is not None:
-            biases.update((f"{shard}.bias", rows) for shard, rows in split_rows(name, m, m.bias.data).items())
 
     writer = gguf.GGUFWriter(path, src.architecture)
     for field in reader.fields.values():

@@ -8,12 +8,14 @@ the dequantized weights back, and feed the next layer what the quantized layer o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from tokenmill.compress import calib, qalgo
 from tokenmill.compress.calib import LayerWalk, linears
 from tokenmill.compress.export import split_rows
+from tokenmill.compress.stream import LayerStream
 from tokenmill.layers.linear import Linear
 from tokenmill.models.llama import CausalLM, DecoderLayer
 from tokenmill.quant import int4, packed
@@ -88,31 +90,46 @@ class QuantizeConfig:
 
 
 def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Tensor] | None,
-                   progress: bool = True) -> dict[str, qalgo.QuantizedWeight]:
+                   progress: bool = True, stream: LayerStream | None = None,
+                   on_layer: Callable[[dict[str, qalgo.QuantizedWeight]], None] | None = None,
+                   ) -> dict[str, qalgo.QuantizedWeight]:
     """Quantize every decoder linear layer in place (weights become their dequantized values, AWQ
     scales are folded into the preceding norms / projections) and return the integer forms by
-    module name. Embeddings, norms and the output projection stay float, as in AWQ and GPTQ."""
+    module name. Embeddings, norms and the output projection stay float, as in AWQ and GPTQ.
+    With `stream`, each layer's weights are read just before it is quantized and dropped once it
+    has fed the next layer; `on_layer` then takes each layer's integers (to pack them at once)
+    instead of the returned dict holding every layer's."""
     cfg.validate(model)
     layers = list(model.model.layers)
     walk = LayerWalk(model, samples, calib.compute_dtype(cfg.compute_dtype)) if cfg.calibrated else None
     results: dict[str, qalgo.QuantizedWeight] = {}
     bar = _bar(len(layers), f"quantize {cfg.method}", progress)
     for i, layer in enumerate(layers):
+        if stream is not None:
+            stream.load_layer(i)
+        found: dict[str, qalgo.QuantizedWeight] = {}
         if cfg.method == "gptq":
             stats = walk.stats(layer, want_xtx=True)
             for name, m in linears(layer).items():
-                results[f"model.layers.{i}.{name}"] = _apply(
+                found[f"model.layers.{i}.{name}"] = _apply(
                     m, qalgo.gptq(m.weight.data, stats[name].xtx, 4, cfg.group_size, act_order=cfg.uses_act_order,
                                   damp=cfg.damp, shrink=cfg.shrink))
+            del stats
         elif cfg.method == "awq":
-            results.update({f"model.layers.{i}.{n}": q for n, q in _awq_layer(model, layer, walk, cfg).items()})
+            found.update({f"model.layers.{i}.{n}": q for n, q in _awq_layer(model, layer, walk, cfg).items()})
         else:
             for name, m in linears(layer).items():
                 group = -1 if cfg.method == "rtn-int8" else cfg.group_size
-                results[f"model.layers.{i}.{name}"] = _apply(
+                found[f"model.layers.{i}.{name}"] = _apply(
                     m, qalgo.rtn(m.weight.data, cfg.bits, group, sym=cfg.method == "rtn-int8"))
         if walk is not None:
             walk.advance(layer)
+        if on_layer is not None:
+            on_layer(found)
+        else:
+            results.update(found)
+        if stream is not None:
+            stream.release_layer(i)
         if bar is not None:
             bar.update(1)
     if bar is not None:

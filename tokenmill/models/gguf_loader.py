@@ -9,7 +9,7 @@ rotate-half), and turns every way a file can be broken into a ValueError that sa
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -108,7 +108,14 @@ class GGUFFile:
         """Yield (hf_name, tensor, extras) for every tensor in the file: float types as float32
         tensors, block types as BlockTensors (read when a layer packs them); extras `quantized`:
         stored in a block format. A stacked expert tensor yields one tensor per expert."""
+        for hf, read, extras in self.hf_readers(num_heads, num_kv_heads):
+            yield hf, read(), extras
+
+    def hf_readers(self, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, Callable[[], object], dict]]:
+        """`hf_weights` with each tensor not read yet: (hf_name, a function reading it, extras), so
+        a caller can take the tensors in any order, a few at a time (quantization, layer by layer)."""
         permute = self.architecture in ("llama", "mistral")
+        opened: dict[str, object] = {}  # the stacked expert tensor being sliced (read once for its experts)
         for name, t in self.tensors.items():
             hf = self.hf_name(name)
             if hf is None:
@@ -116,25 +123,45 @@ class GGUFFile:
             kind = t.tensor_type.name
             shape = tuple(int(d) for d in reversed(t.shape))  # numpy order: (rows, cols)
             quantized = kind not in FLOAT_TYPES
-            try:
-                w = (open_tensor(self.path, int(t.data_offset), kind, shape, name) if quantized
-                     else read_float(self.path, int(t.data_offset), kind, shape))
-            except ValueError:
-                raise
-            except Exception as e:  # noqa: BLE001 - unreadable offsets or sizes: a broken file
-                raise ValueError(f"tensor {name} in {self.path} could not be read ({type(e).__name__}: {e}); "
-                                 "the file is corrupt or truncated.") from None
+            extras = {"quantized": quantized}
             if len(shape) == 3:  # one tensor per expert, its rows a slice of the stacked ones
                 rows = shape[1]
                 for e in range(shape[0]):
-                    yield hf.format(e=e), (w[e * rows:(e + 1) * rows] if quantized else w[e]), {"quantized": quantized}
+                    yield hf.format(e=e), (lambda n=name, e=e: self._expert(n, e, rows, opened)), extras
                 continue
-            if hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
-                w = w[None]  # llama.cpp stores the (1, hidden) gate as a vector
-            if permute and name.endswith(("attn_q.weight", "attn_k.weight")):
-                heads = num_heads if "attn_q" in name else num_kv_heads
-                w = w.permute_rows(_unpermute(torch.arange(shape[0]), heads).numpy()) if quantized else _unpermute(w, heads)
-            yield hf, w, {"quantized": quantized}
+            heads = (num_heads if "attn_q" in name else num_kv_heads) \
+                if permute and name.endswith(("attn_q.weight", "attn_k.weight")) else 0
+            yield hf, (lambda n=name, h=heads, one=hf.endswith("shared_expert_gate.weight") and len(shape) == 1:
+                       self._read(n, h, one)), extras
+
+    def _open(self, name: str):
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        shape = tuple(int(d) for d in reversed(t.shape))
+        try:
+            return (open_tensor(self.path, int(t.data_offset), kind, shape, name) if kind not in FLOAT_TYPES
+                    else read_float(self.path, int(t.data_offset), kind, shape))
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unreadable offsets or sizes: a broken file
+            raise ValueError(f"tensor {name} in {self.path} could not be read ({type(e).__name__}: {e}); "
+                             "the file is corrupt or truncated.") from None
+
+    def _expert(self, name: str, e: int, rows: int, opened: dict):
+        if name not in opened:
+            opened.clear()
+            opened[name] = self._open(name)
+        w = opened[name]
+        return w[e * rows:(e + 1) * rows] if self.tensors[name].tensor_type.name not in FLOAT_TYPES else w[e]
+
+    def _read(self, name: str, heads: int, vector_gate: bool):
+        w = self._open(name)
+        if vector_gate:
+            w = w[None]  # llama.cpp stores the (1, hidden) gate as a vector
+        if heads:
+            quantized = self.tensors[name].tensor_type.name not in FLOAT_TYPES
+            w = w.permute_rows(_unpermute(torch.arange(w.shape[0]), heads).numpy()) if quantized else _unpermute(w, heads)
+        return w
 
     def rope_factors(self) -> tuple[list[float], list[float]] | None:
         """(short, long) LongRoPE factors, which llama.cpp stores as tensors, or None."""

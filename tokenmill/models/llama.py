@@ -291,6 +291,22 @@ def _rows_of(extra: dict, start: int, size: int) -> dict:
 
 def load_weights(model: CausalLM, weights) -> None:
     """Copy `(hf_name, tensor)` pairs into the model; every parameter must be filled exactly once."""
+    filled = fill_weights(model, weights)
+    modules = dict(model.named_modules())
+    expected = set()
+    for pname, _ in model.named_parameters():
+        mod = modules[pname.rsplit(".", 1)[0]]
+        shards = getattr(mod, "shard_offsets", None)
+        expected |= {f"{pname}:{s}" for s in shards} if shards else {f"{pname}:None"}
+    missing = sorted(expected - filled)
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} in all); the file may be truncated or of another architecture.")
+
+
+def fill_weights(model: CausalLM, weights) -> set[str]:
+    """Copy `(hf_name, tensor)` pairs into the model and return what was filled ("param:shard"):
+    the whole model (`load_weights`) or a part of it (quantization, one layer at a time)."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     filled: set[str] = set()
@@ -343,12 +359,4 @@ def load_weights(model: CausalLM, weights) -> None:
             else:
                 param.data.copy_(piece)
             filled.add(f"{target}:{sh}")
-    expected = set()
-    for pname, _ in model.named_parameters():
-        mod = modules[pname.rsplit(".", 1)[0]]
-        shards = getattr(mod, "shard_offsets", None)
-        expected |= {f"{pname}:{s}" for s in shards} if shards else {f"{pname}:None"}
-    missing = sorted(expected - filled)
-    if missing:
-        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                         f"({len(missing)} in all); the file may be truncated or of another architecture.")
+    return filled
