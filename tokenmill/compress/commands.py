@@ -44,6 +44,10 @@ def _source_report(loaded: loader.LoadedModel, path: str | None) -> dict:
 
 def _verify(out_dir: str) -> None:
     """Load the written checkpoint back and run it: a model that cannot be served is not an output."""
+    from tokenmill.resources import returning_freed_memory
+
+    with returning_freed_memory():  # what the compression freed goes back to the system first
+        pass
     back = loader.load(out_dir, "float32", torch.device("cpu"))
     ids = torch.arange(min(8, back.arch.vocab_size))
     logits = back.model.compute_logits(back.model(ids, torch.arange(ids.numel())))
@@ -117,10 +121,15 @@ def run_quantize(args: argparse.Namespace) -> dict:
 
 
 def _peak_rss_gb() -> float:
-    """This process's peak resident memory so far (Linux reports KiB)."""
-    import resource
+    """This process's peak resident memory so far: VmHWM (ru_maxrss would carry a parent's peak
+    across exec); ru_maxrss where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2 ** 20, 2)
+    except (OSError, StopIteration):
+        import resource
 
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
 
 
 def run_prune(args: argparse.Namespace) -> dict:

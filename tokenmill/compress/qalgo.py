@@ -28,7 +28,15 @@ class QuantizedWeight:
     source: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
-        return (self.q.float() - self.zeros.float()[:, self.g_idx]) * self.scales[:, self.g_idx]
+        out = self.q.float()
+        k = out.shape[1]
+        runs = torch.nonzero(torch.diff(self.g_idx)).flatten() + 1 if k > 1 else torch.zeros(0, dtype=torch.long)
+        if bool((torch.diff(self.g_idx) >= 0).all()):  # contiguous groups: in place, group by group
+            for s, e in zip([0, *runs.tolist()], [*runs.tolist(), k]):
+                g = int(self.g_idx[s])
+                out[:, s:e].sub_(self.zeros[:, g:g + 1].float()).mul_(self.scales[:, g:g + 1])
+            return out
+        return (out - self.zeros.float()[:, self.g_idx]) * self.scales[:, self.g_idx]
 
 
 def group_bounds(k: int, group_size: int) -> list[tuple[int, int]]:
@@ -59,24 +67,25 @@ def quantize_cols(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 
 
 def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
-        clip: torch.Tensor | None = None) -> QuantizedWeight:
-    """Round-to-nearest; `clip` (N, G) optional range shrink factors per group."""
+        clip: torch.Tensor | None = None, keep_source: bool = True) -> QuantizedWeight:
+    """Round-to-nearest; `clip` (N, G) optional range shrink factors per group. `keep_source`:
+    record the rounded float values (QAT's start; a copy of the weight)."""
     given, w = w, w.float()
     n, k = w.shape
     bounds = group_bounds(k, group_size)
-    q = torch.empty(n, k)
+    q = torch.empty(n, k, dtype=torch.long)
     scales, zeros = torch.empty(n, len(bounds)), torch.empty(n, len(bounds))
     for g, (s, e) in enumerate(bounds):
         scales[:, g], zeros[:, g] = grid(w[:, s:e], bits, sym, None if clip is None else clip[:, g])
         q[:, s:e] = quantize_cols(w[:, s:e], scales[:, g], zeros[:, g], bits)
     # `source` must outlive the caller's tensor, which quantize writes the dequantized values into;
     # a search's temporary (AWQ's scaled candidates) needs no copy
-    source = w.clone() if w is given else w
-    return QuantizedWeight(q.long(), zeros.long(), scales, default_g_idx(k, group_size), bits, source)
+    source = None if not keep_source else w.clone() if w is given else w
+    return QuantizedWeight(q, zeros.long(), scales, default_g_idx(k, group_size), bits, source)
 
 
 def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bool = False,
-         act_order: bool = False, damp: float = 0.01, shrink: float = 0.0) -> QuantizedWeight:
+         act_order: bool = False, damp: float = 0.01, shrink: float = 0.0, keep_source: bool = True) -> QuantizedWeight:
     """Quantize columns one at a time, spreading each column's rounding error over the columns not
     yet quantized through the inverse Hessian H = X^T X of the layer's inputs (lazy batch updates
     in blocks; group scales fixed when a group's first column is reached). `act_order` handles
@@ -109,7 +118,8 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
                          "for the calibration dtype: try --compute-dtype float32.")
     hinv = _inverse_cholesky(h, damp)
     block = size * max(1, 128 // size) if group_size != -1 else 128
-    q, source = torch.zeros(n, k), torch.zeros(n, k)
+    q = torch.zeros(n, k, dtype=torch.long)
+    source = torch.zeros(n, k) if keep_source else None
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
         w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), hinv[i1:i2, i1:i2]
@@ -119,13 +129,16 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
             if not static and col % size == 0:
                 scales[:, g], zeros[:, g] = grid(w1[:, i:i + size], bits, sym)
             qc = quantize_cols(w1[:, i:i + 1], scales[:, g], zeros[:, g], bits)[:, 0]
-            q[:, col], source[:, col] = qc, w1[:, i]
+            q[:, col] = qc.long()
+            if source is not None:
+                source[:, col] = w1[:, i]
             err = (w1[:, i] - (qc - zeros[:, g]) * scales[:, g]) / hinv1[i, i]
             w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inv = torch.argsort(perm)
-    return QuantizedWeight(q[:, inv].long(), zeros.long(), scales, default_g_idx(k, group_size), bits, source[:, inv])
+    return QuantizedWeight(q if not act_order else q[:, inv], zeros.long(), scales, default_g_idx(k, group_size), bits,
+                           None if source is None else source if not act_order else source[:, inv])
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:

@@ -97,37 +97,42 @@ def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Ten
     scales are folded into the preceding norms / projections) and return the integer forms by
     module name. Embeddings, norms and the output projection stay float, as in AWQ and GPTQ.
     With `stream`, each layer's weights are read just before it is quantized and dropped once it
-    has fed the next layer; `on_layer` then takes each layer's integers (to pack them at once)
-    instead of the returned dict holding every layer's."""
+    has fed the next layer; `on_layer` then takes each linear layer's integers as they are made
+    (to pack them at once) instead of the returned dict holding every layer's."""
     cfg.validate(model)
     layers = list(model.model.layers)
     walk = LayerWalk(model, samples, calib.compute_dtype(cfg.compute_dtype)) if cfg.calibrated else None
     results: dict[str, qalgo.QuantizedWeight] = {}
+
+    def emit(name: str, qw: qalgo.QuantizedWeight) -> None:
+        if on_layer is None:
+            results[name] = qw
+        else:  # packed at once: one linear layer's integers alive at a time
+            qw.source = None
+            on_layer({name: qw})
+
     bar = _bar(len(layers), f"quantize {cfg.method}", progress)
     for i, layer in enumerate(layers):
         if stream is not None:
             stream.load_layer(i)
-        found: dict[str, qalgo.QuantizedWeight] = {}
         if cfg.method == "gptq":
             stats = walk.stats(layer, want_xtx=True)
             for name, m in linears(layer).items():
-                found[f"model.layers.{i}.{name}"] = _apply(
+                emit(f"model.layers.{i}.{name}", _apply(
                     m, qalgo.gptq(m.weight.data, stats[name].xtx, 4, cfg.group_size, act_order=cfg.uses_act_order,
-                                  damp=cfg.damp, shrink=cfg.shrink))
+                                  damp=cfg.damp, shrink=cfg.shrink, keep_source=on_layer is None)))
             del stats
         elif cfg.method == "awq":
-            found.update({f"model.layers.{i}.{n}": q for n, q in _awq_layer(model, layer, walk, cfg).items()})
+            for name, qw in _awq_layer(model, layer, walk, cfg).items():
+                emit(f"model.layers.{i}.{name}", qw)
         else:
             for name, m in linears(layer).items():
                 group = -1 if cfg.method == "rtn-int8" else cfg.group_size
-                found[f"model.layers.{i}.{name}"] = _apply(
-                    m, qalgo.rtn(m.weight.data, cfg.bits, group, sym=cfg.method == "rtn-int8"))
+                emit(f"model.layers.{i}.{name}", _apply(
+                    m, qalgo.rtn(m.weight.data, cfg.bits, group, sym=cfg.method == "rtn-int8",
+                                 keep_source=on_layer is None)))
         if walk is not None:
             walk.advance(layer)
-        if on_layer is not None:
-            on_layer(found)
-        else:
-            results.update(found)
         if stream is not None:
             stream.release_layer(i)
         if bar is not None:
