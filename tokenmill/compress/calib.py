@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -124,6 +124,8 @@ class InputStats:
     xtx: torch.Tensor | None = None          # (K, K) sum of x^T x: GPTQ's Hessian, AWQ's error metric
     sq: torch.Tensor | None = None           # (K,) sum of x^2 per input channel
     abs_sum: torch.Tensor | None = None      # (K,) sum of |x| per input channel (AWQ's activation scale)
+    pending: list = field(default_factory=list)
+    ROWS_PER_PRODUCT = 4096                   # rows gathered per X^T X product: fewer, larger products
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, self.in_features)
@@ -133,9 +135,17 @@ class InputStats:
         self.sq = sq if self.sq is None else self.sq.add_(sq)
         self.abs_sum = ab if self.abs_sum is None else self.abs_sum.add_(ab)
         if self.want_xtx:
-            xd = x.to(self.dtype)
-            prod = (xd.t() @ xd).float()
-            self.xtx = prod if self.xtx is None else self.xtx.add_(prod)
+            self.pending.append(x.to(self.dtype))
+            if sum(p.shape[0] for p in self.pending) >= self.ROWS_PER_PRODUCT:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        xd = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
+        self.pending = []
+        prod = (xd.t() @ xd).float()
+        self.xtx = prod if self.xtx is None else self.xtx.add_(prod)
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -176,6 +186,8 @@ class LayerWalk:
         finally:
             for hook in hooks:
                 hook.remove()
+        for st in found.values():
+            st.flush()
         return found
 
     @torch.no_grad()

@@ -99,7 +99,7 @@ def run_quantize(args: argparse.Namespace) -> dict:
     layers = stream.arch.num_layers
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)
     report.update(seconds_per_layer=round(report["elapsed_s"] / layers, 2), parameters=report["source_parameters"],
-                  compute_dtype=str(calib.compute_dtype(cfg.compute_dtype)).replace("torch.", ""))
+                  compute_dtype=str(calib.compute_dtype(cfg.compute_dtype)).replace("torch.", "") if samples else None)
     if to_gguf:
         with export.atomic_output_file(args.output, args.overwrite) as tmp:
             sink.write(tmp, source, model, cfg.method)

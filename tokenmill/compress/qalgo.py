@@ -97,9 +97,9 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
     share; with a diagonal H, GPTQ is RTN (benchmarks/quantize_ood.sh measures the trade)."""
     w = w.float().clone()
     n, k = w.shape
-    h = xtx.double().clone()
+    h = xtx.float().clone()
     if shrink:
-        h.mul_(1 - shrink).diagonal().add_(shrink * xtx.double().diagonal())
+        h.mul_(1 - shrink).diagonal().add_(shrink * xtx.float().diagonal())
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
@@ -142,7 +142,8 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1. Rounding in the sums of X^T X can
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in float32 (as AutoGPTQ; float64
+    doubles the time of an 8192-input layer's factorizations). Rounding in the sums of X^T X can
     leave H a hair from positive definite on nearly collinear inputs; the damping then grows 10x
     at a time up to the mean diagonal itself (GPTQModel's auto-increment) rather than fail."""
     k, mean = h.shape[0], torch.diagonal(h).mean()
