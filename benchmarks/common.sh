@@ -86,3 +86,23 @@ for peer in dict.fromkeys(r["peer"] for r in rows):
           f"{med('ttft_p99_s'):6.2f}s  ITL p99 {med('itl_p99_s'):.3f}s  short {max(r['short_outputs'] for r in rs)}")
 PY
 }
+
+calib_texts() {  # dir: the texts the compression benchmarks calibrate and evaluate on, written once
+  # code.txt: CPython's standard-library source (the first ~600 KB of its modules, sorted);
+  # docs.txt: Python's language reference (pydoc_data.topics), English prose of software documentation
+  mkdir -p "$1"
+  [ -f "$1/code.txt" ] && [ -f "$1/docs.txt" ] && return
+  "$PY" - "$1" <<'PY'
+import os, sys, sysconfig, pydoc_data.topics as t
+out, lib, code, n = sys.argv[1], sysconfig.get_paths()["stdlib"], [], 0
+open(os.path.join(out, "docs.txt"), "w").write("".join(t.topics[k] for k in sorted(t.topics)))
+for f in sorted(os.listdir(lib)):
+    if f.endswith(".py") and n < 600_000:
+        code.append(open(os.path.join(lib, f), encoding="utf-8", errors="replace").read()); n += len(code[-1])
+open(os.path.join(out, "code.txt"), "w").write("\n\n".join(code))
+PY
+}
+
+mixed_calib() {  # dir -> the --calib flags of the mixed calibration set (prose, code, chat turns)
+  echo --calib "$SHARED/data/wikitext-2/valid.txt" --calib "$1/code.txt" --calib "$SHARED/data/mt_bench/question.jsonl"
+}

@@ -12,23 +12,15 @@ OUT=${OUT:-$HERE/.quantized}
 build_llamacpp
 [ -x "$LLAMA_BUILD/bin/llama-perplexity" ] || cmake --build "$LLAMA_BUILD" -j 2 --target llama-perplexity
 mkdir -p "$OUT"
-code=$OUT/code.txt
-[ -f "$code" ] || "$PY" - "$code" <<'PY'
-import os, sys, sysconfig
-lib, code, n = sysconfig.get_paths()["stdlib"], [], 0
-for f in sorted(os.listdir(lib)):
-    if f.endswith(".py") and n < 600_000:
-        code.append(open(os.path.join(lib, f), encoding="utf-8", errors="replace").read()); n += len(code[-1])
-open(sys.argv[1], "w").write("\n\n".join(code))
-PY
+calib_texts "$OUT/texts"
+read -r -a calib <<< "$(mixed_calib "$OUT/texts")"
 TEXT=$SHARED/data/wikitext-2/test.txt
 res=$RESULTS/gguf_export.jsonl; : > "$res"
 for model in $MODELS; do
   for m in $METHODS; do
     file=$OUT/$(basename "$model" .gguf)-$m-g$GROUP.gguf
     args=(--method "$m" --group-size "$GROUP" --allow-partial-groups)
-    [ "$m" = rtn-int4 ] || args+=(--calib "$SHARED/data/wikitext-2/valid.txt" --calib "$code"
-                                  --calib "$SHARED/data/mt_bench/question.jsonl")
+    [ "$m" = rtn-int4 ] || args+=("${calib[@]}")
     [ -f "$file" ] || "$TM" --log-level WARNING quantize --model "$model" --output "$file" --output-format gguf \
       --quiet "${args[@]}" > /dev/null
     lp=$("$LLAMA_BUILD/bin/llama-perplexity" -m "$file" -f "$TEXT" -c 512 -t 2 --chunks "$CHUNKS" 2>&1 |

@@ -8,7 +8,9 @@
 #         CPython): English prose of software documentation, another domain
 # Calibration (CALIB=mix, the default): WikiText-2 valid + CPython's standard-library source (code) +
 # MT-Bench's user turns rendered with the model's chat template, windows drawn equally from each;
-# CALIB=wiki: WikiText-2 valid alone. Writes results/quantize_ood[-CALIB].jsonl.
+# CALIB=wiki: WikiText-2 valid alone. QUANT_ARGS: more quantize flags for the calibrated methods (an
+# ablation, e.g. "--no-act-order --hessian-shrink 0"), TAG names that run. Writes
+# results/quantize_ood-CALIB[-TAG].jsonl.
 source "$(dirname "$0")/common.sh"
 TOKENS=${TOKENS:-6000}
 GROUP_SIZES=${GROUP_SIZES:-"32 64 128"}
@@ -18,21 +20,13 @@ SAMPLES=${SAMPLES:-128}
 MODELS=${MODELS:-"$MODEL $ROOT/models/qwen2.5-coder-0.5b-instruct.gguf"}
 OUT=${OUT:-$HERE/.quantized}
 mkdir -p "$OUT"
-texts=$OUT/texts; mkdir -p "$texts"
-"$PY" - "$texts" <<'PY'
-import os, sys, sysconfig, pydoc_data.topics as t
-out = sys.argv[1]
-open(os.path.join(out, "docs.txt"), "w").write("".join(t.topics[k] for k in sorted(t.topics)))
-lib = sysconfig.get_paths()["stdlib"]
-code, n = [], 0
-for f in sorted(os.listdir(lib)):
-    if f.endswith(".py") and n < 600_000:
-        code.append(open(os.path.join(lib, f), encoding="utf-8", errors="replace").read()); n += len(code[-1])
-open(os.path.join(out, "code.txt"), "w").write("\n\n".join(code))
-PY
+texts=$OUT/texts
+calib_texts "$texts"
 calib=(--calib "$SHARED/data/wikitext-2/valid.txt")
-[ "$CALIB" = mix ] && calib+=(--calib "$texts/code.txt" --calib "$SHARED/data/mt_bench/question.jsonl")
-res=$RESULTS/quantize_ood-$CALIB.jsonl; : > "$res"
+[ "$CALIB" = mix ] && read -r -a calib <<< "$(mixed_calib "$texts")"
+QUANT_ARGS=${QUANT_ARGS:-}
+TAG=${TAG:+-$TAG}
+res=$RESULTS/quantize_ood-$CALIB$TAG.jsonl; : > "$res"
 ppl() {  # model text -> perplexity
   "$TM" --log-level WARNING eval ppl --model "$1" --data "$2" --max-tokens "$TOKENS" --quantization none 2>/dev/null |
     "$PY" -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])'
@@ -42,12 +36,12 @@ for model in $MODELS; do
   echo "{\"model\": \"$name\", \"method\": \"float\", \"wiki\": $(ppl "$model" "$SHARED/data/wikitext-2/test.txt"), \"docs\": $(ppl "$model" "$texts/docs.txt")}" >> "$res"
   for g in $GROUP_SIZES; do
     for m in $METHODS; do
-      dir=$OUT/$name-$m-g$g-$CALIB
+      dir=$OUT/$name-$m-g$g-$CALIB$TAG
       args=(--method "$m" --group-size "$g" --allow-partial-groups)
-      [ "$m" = rtn-int4 ] || args+=("${calib[@]}" --calib-samples "$SAMPLES")
+      [ "$m" = rtn-int4 ] || args+=("${calib[@]}" --calib-samples "$SAMPLES" $QUANT_ARGS)
       [ -d "$dir" ] || "$TM" --log-level WARNING quantize --model "$model" --output "$dir" --quiet "${args[@]}" \
         --output-json "$dir.json" > /dev/null
-      echo "{\"model\": \"$name\", \"method\": \"$m\", \"group\": $g, \"calib\": \"$CALIB\", \"elapsed_s\": $("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["elapsed_s"])' "$dir.json"), \"wiki\": $(ppl "$dir" "$SHARED/data/wikitext-2/test.txt"), \"docs\": $(ppl "$dir" "$texts/docs.txt")}" >> "$res"
+      echo "{\"model\": \"$name\", \"method\": \"$m\", \"group\": $g, \"calib\": \"$CALIB$TAG\", \"elapsed_s\": $("$PY" -c 'import json,sys; print(json.load(open(sys.argv[1]))["elapsed_s"])' "$dir.json"), \"wiki\": $(ppl "$dir" "$SHARED/data/wikitext-2/test.txt"), \"docs\": $(ppl "$dir" "$texts/docs.txt")}" >> "$res"
       tail -1 "$res"
     done
   done

@@ -13,15 +13,8 @@ MODELS=${MODELS:-$ROOT/models}
 SAMPLES=${SAMPLES:-128}
 OUT=${OUT:-$HERE/.quantized}
 mkdir -p "$MODELS" "$OUT"
-code=$OUT/code.txt
-[ -f "$code" ] || "$PY" - "$code" <<'PY'
-import os, sys, sysconfig
-lib, code, n = sysconfig.get_paths()["stdlib"], [], 0
-for f in sorted(os.listdir(lib)):
-    if f.endswith(".py") and n < 600_000:
-        code.append(open(os.path.join(lib, f), encoding="utf-8", errors="replace").read()); n += len(code[-1])
-open(sys.argv[1], "w").write("\n\n".join(code))
-PY
+calib_texts "$OUT/texts"
+read -r -a calib <<< "$(mixed_calib "$OUT/texts")"
 res=$RESULTS/quantize_sizes.jsonl
 for size in $SIZES; do
   f16=$MODELS/llama-$size-f16.gguf
@@ -30,8 +23,7 @@ for size in $SIZES; do
     dir=$OUT/llama-$size-$m
     rm -rf "$dir"
     args=(--method "$m" --group-size 128)
-    [ "$m" = rtn-int4 ] || args+=(--calib "$SHARED/data/wikitext-2/valid.txt" --calib "$code"
-                                  --calib "$SHARED/data/mt_bench/question.jsonl" --calib-samples "$SAMPLES")
+    [ "$m" = rtn-int4 ] || args+=("${calib[@]}" --calib-samples "$SAMPLES")
     "$TM" --log-level WARNING quantize --model "$f16" --output "$dir" --quiet "${args[@]}" --output-json "$dir.json" \
       > /dev/null
     "$PY" - "$size" "$dir.json" >> "$res" <<'PY'

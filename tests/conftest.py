@@ -132,3 +132,52 @@ def add_byte_tokenizer(path: str) -> str:
 def tiny_llama_tok(tmp_path_factory) -> str:
     """The tiny Llama with a byte tokenizer: a model every command (quantize, prune, serve) accepts."""
     return add_byte_tokenizer(make_tiny_hf("llama", str(tmp_path_factory.mktemp("llama_tok"))))
+
+
+def llama_gguf_writer(path, s: dict, default_model: str, context_length: int = 4096):
+    """A GGUFWriter for a Llama of shape `s` (hidden, layers, heads, kv_heads, ff, vocab), its
+    metadata and tokenizer (the default model's first `vocab` tokens) written; tensors to add."""
+    import gguf
+
+    src = gguf.GGUFReader(default_model)
+    get = lambda k: src.fields[k].contents()  # noqa: E731
+    w = gguf.GGUFWriter(str(path), "llama")
+    for fn, v in ((w.add_context_length, context_length), (w.add_embedding_length, s["hidden"]),
+                  (w.add_block_count, s["layers"]), (w.add_feed_forward_length, s["ff"]), (w.add_head_count, s["heads"]),
+                  (w.add_head_count_kv, s["kv_heads"]), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, s["vocab"])):
+        fn(v)
+    tokens = list(get("tokenizer.ggml.tokens"))[:s["vocab"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(list(get("tokenizer.ggml.token_type"))[:s["vocab"]])
+    known = set(tokens)
+    w.add_token_merges([m for m in get("tokenizer.ggml.merges") if "".join(m.split(" ")) in known])
+    w.add_eos_token_id(2)
+    return w
+
+
+def llama_layout(s: dict, embed: str, layer: str, output: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, numpy shape, GGUF type) of every tensor of a Llama of shape `s`, in llama.cpp's order."""
+    h, kv, k = s["hidden"], s["hidden"] // s["heads"] * s["kv_heads"], layer
+    layout = [("token_embd.weight", (s["vocab"], h), embed)]
+    for i in range(s["layers"]):
+        layout += [(f"blk.{i}.attn_norm.weight", (h,), "F32"), (f"blk.{i}.attn_q.weight", (h, h), k),
+                   (f"blk.{i}.attn_k.weight", (kv, h), k), (f"blk.{i}.attn_v.weight", (kv, h), k),
+                   (f"blk.{i}.attn_output.weight", (h, h), k), (f"blk.{i}.ffn_norm.weight", (h,), "F32"),
+                   (f"blk.{i}.ffn_gate.weight", (s["ff"], h), k), (f"blk.{i}.ffn_up.weight", (s["ff"], h), k),
+                   (f"blk.{i}.ffn_down.weight", (h, s["ff"]), k)]
+    return layout + [("output_norm.weight", (h,), "F32"), ("output.weight", (s["vocab"], h), output)]
+
+
+def finish_gguf(w, layout: list, data: list) -> None:
+    """Write `data` (numpy arrays: values, or block bytes for quantized types) as `layout`'s tensors."""
+    import gguf
+
+    for (name, shape, kind), d in zip(layout, data):
+        w.add_tensor_info(name, d.shape, d.dtype, d.nbytes, raw_dtype=gguf.GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for d in data:
+        w.write_tensor_data(d)
+    w.close()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import finish_gguf, llama_gguf_writer, llama_layout
 from tokenmill.cli import build_parser
 from tokenmill.compress import commands
 from tokenmill.models import loader
@@ -27,29 +28,8 @@ def write_llama(path, s: dict, default_model: str, layer_kind: str = "F32") -> s
     """A random Llama-shaped GGUF (the default model's tokens as its vocabulary): F16 embedding,
     `layer_kind` layers, a Q8_0 output head."""
     rng = np.random.default_rng(0)
-    src = gguf.GGUFReader(default_model)
-    get = lambda k: src.fields[k].contents()  # noqa: E731
-    w = gguf.GGUFWriter(str(path), "llama")
-    for fn, v in ((w.add_context_length, 512), (w.add_embedding_length, s["hidden"]), (w.add_block_count, s["layers"]),
-                  (w.add_feed_forward_length, s["ff"]), (w.add_head_count, s["heads"]),
-                  (w.add_head_count_kv, s["kv_heads"]), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, s["vocab"])):
-        fn(v)
-    tokens = list(get("tokenizer.ggml.tokens"))[:s["vocab"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(list(get("tokenizer.ggml.token_type"))[:s["vocab"]])
-    known = set(tokens)
-    w.add_token_merges([m for m in get("tokenizer.ggml.merges") if "".join(m.split(" ")) in known])
-    w.add_eos_token_id(2)
-    h, kv = s["hidden"], s["hidden"] // s["heads"] * s["kv_heads"]
-    layout, k = [("token_embd.weight", (s["vocab"], h), "F16")], layer_kind
-    for i in range(s["layers"]):
-        layout += [(f"blk.{i}.attn_norm.weight", (h,), "F32"), (f"blk.{i}.attn_q.weight", (h, h), k),
-                   (f"blk.{i}.attn_k.weight", (kv, h), k), (f"blk.{i}.attn_v.weight", (kv, h), k),
-                   (f"blk.{i}.attn_output.weight", (h, h), k), (f"blk.{i}.ffn_norm.weight", (h,), "F32"),
-                   (f"blk.{i}.ffn_gate.weight", (s["ff"], h), k), (f"blk.{i}.ffn_up.weight", (s["ff"], h), k),
-                   (f"blk.{i}.ffn_down.weight", (h, s["ff"]), k)]
-    layout += [("output_norm.weight", (h,), "F32"), ("output.weight", (s["vocab"], h), "Q8_0")]
+    w = llama_gguf_writer(path, s, default_model, context_length=512)
+    layout = llama_layout(s, "F16", layer_kind, "Q8_0")
     data = []
     for name, shape, kind in layout:
         if name.endswith("norm.weight"):
@@ -59,14 +39,7 @@ def write_llama(path, s: dict, default_model: str, layer_kind: str = "F32") -> s
                                              gguf.GGMLQuantizationType.Q8_0))
         else:
             data.append((0.1 * rng.standard_normal(shape)).astype(np.float16 if kind == "F16" else np.float32))
-    for (name, shape, kind), d in zip(layout, data):
-        w.add_tensor_info(name, d.shape, d.dtype, d.nbytes, raw_dtype=gguf.GGMLQuantizationType[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for d in data:
-        w.write_tensor_data(d)
-    w.close()
+    finish_gguf(w, layout, data)
     return str(path)
 
 

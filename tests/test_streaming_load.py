@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import finish_gguf, llama_gguf_writer, llama_layout
 from tokenmill.quant import gguf_tensor, int8
 
 
@@ -101,38 +102,10 @@ def _random_blocks(rng, rows: int, cols: int, kind: str) -> np.ndarray:
 def llama_file(tmp_path_factory, default_model):
     s, rng = SHAPE, np.random.default_rng(0)
     path = tmp_path_factory.mktemp("big") / "llama-q4_0.gguf"
-    src = gguf.GGUFReader(default_model)
-    get = lambda k: src.fields[k].contents()  # noqa: E731
-    w = gguf.GGUFWriter(str(path), "llama")
-    for fn, v in ((w.add_context_length, 4096), (w.add_embedding_length, s["hidden"]), (w.add_block_count, s["layers"]),
-                  (w.add_feed_forward_length, s["ff"]), (w.add_head_count, s["heads"]),
-                  (w.add_head_count_kv, s["kv_heads"]), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, s["vocab"])):
-        fn(v)
-    tokens = list(get("tokenizer.ggml.tokens"))[:s["vocab"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(list(get("tokenizer.ggml.token_type"))[:s["vocab"]])
-    known = set(tokens)
-    w.add_token_merges([m for m in get("tokenizer.ggml.merges") if "".join(m.split(" ")) in known])
-    w.add_eos_token_id(2)
-    h, kv = s["hidden"], s["hidden"] // s["heads"] * s["kv_heads"]
-    layout = [("token_embd.weight", (s["vocab"], h), "Q8_0")]
-    for i in range(s["layers"]):
-        layout += [(f"blk.{i}.attn_norm.weight", (h,), "F32"), (f"blk.{i}.attn_q.weight", (h, h), "Q4_0"),
-                   (f"blk.{i}.attn_k.weight", (kv, h), "Q4_0"), (f"blk.{i}.attn_v.weight", (kv, h), "Q4_0"),
-                   (f"blk.{i}.attn_output.weight", (h, h), "Q4_0"), (f"blk.{i}.ffn_norm.weight", (h,), "F32"),
-                   (f"blk.{i}.ffn_gate.weight", (s["ff"], h), "Q4_0"), (f"blk.{i}.ffn_up.weight", (s["ff"], h), "Q4_0"),
-                   (f"blk.{i}.ffn_down.weight", (h, s["ff"]), "Q4_0")]
-    layout += [("output_norm.weight", (h,), "F32"), ("output.weight", (s["vocab"], h), "Q8_0")]
+    w = llama_gguf_writer(path, s, default_model)
+    layout = llama_layout(s, "Q8_0", "Q4_0", "Q8_0")
     data = [np.ones(shape, np.float32) if kind == "F32" else _random_blocks(rng, *shape, kind) for _, shape, kind in layout]
-    for (name, shape, kind), d in zip(layout, data):
-        w.add_tensor_info(name, d.shape, d.dtype, d.nbytes, raw_dtype=gguf.GGMLQuantizationType[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for d in data:
-        w.write_tensor_data(d)
-    w.close()
+    finish_gguf(w, layout, data)
     return str(path), sum(d.nbytes for d in data)
 
 

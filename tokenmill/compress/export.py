@@ -29,6 +29,10 @@ def check_output_dir(path: str, overwrite: bool = False) -> None:
         raise ValueError(f"output {path!r} exists and is not a directory.")
     if os.path.isdir(path) and os.listdir(path) and not overwrite:
         raise ValueError(f"output directory {path!r} exists and is not empty; choose another or pass --overwrite.")
+    _check_parent(path)
+
+
+def _check_parent(path: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         raise ValueError(f"cannot create {path!r}: {parent} is not a writable directory.")
@@ -62,9 +66,7 @@ def check_output_file(path: str, overwrite: bool = False) -> None:
         raise ValueError(f"output {path!r} is a directory; --output-format gguf writes one file.")
     if os.path.exists(path) and not overwrite:
         raise ValueError(f"output {path!r} exists; choose another name or pass --overwrite.")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ValueError(f"cannot create {path!r}: {parent} is not a writable directory.")
+    _check_parent(path)
 
 
 @contextlib.contextmanager
