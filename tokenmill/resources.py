@@ -117,7 +117,12 @@ def returning_freed_memory():
     try:
         yield
     finally:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc: nothing to trim
-            pass
+        return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Hand what the heap holds freed back to the system now (glibc's malloc_trim)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass

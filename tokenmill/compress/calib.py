@@ -109,9 +109,14 @@ def compute_dtype(name: str = "auto") -> torch.dtype:
         raise ValueError(f"--compute-dtype must be auto, float32 or bfloat16; got {name!r}.")
     if name != "auto":
         return getattr(torch, name)
-    from tokenmill.kernels.build import cpu_flags
+    import os
 
-    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
+    from tokenmill.kernels.build import ISA_ENV, VARIANTS, cpu_flags, requested
+
+    # TOKENMILL_CPU_ISA pins a run to a variant (an AVX2 measurement on a newer host): its instructions
+    pinned = os.environ.get(ISA_ENV, "auto").strip().lower() not in ("", "auto")
+    flags = VARIANTS[requested()][1] if pinned else cpu_flags()
+    return torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & flags else torch.float32
 
 
 @dataclass

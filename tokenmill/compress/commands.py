@@ -27,10 +27,10 @@ def _tokens(loaded: loader.LoadedModel, path: str) -> list[int]:
     return loaded.tokenizer.encode(calib.read_text(path), add_special_tokens=False)
 
 
-def _calibration(loaded: loader.LoadedModel, paths: list[str], num_samples: int, seq_len: int) -> list[torch.Tensor]:
-    if loaded.tokenizer is None:
+def _calibration(tokenizer, paths: list[str], num_samples: int, seq_len: int) -> list[torch.Tensor]:
+    if tokenizer is None:
         raise ValueError("the model has no tokenizer; calibration text cannot be tokenized.")
-    return calib.mixed_windows([calib.source_tokens(loaded.tokenizer, p) for p in paths], num_samples, seq_len)
+    return calib.mixed_windows([calib.source_tokens(tokenizer, p) for p in paths], num_samples, seq_len)
 
 
 def _calib_report(paths: list[str], num_samples: int, seq_len: int) -> dict:
@@ -44,10 +44,9 @@ def _source_report(loaded: loader.LoadedModel, path: str | None) -> dict:
 
 def _verify(out_dir: str) -> None:
     """Load the written checkpoint back and run it: a model that cannot be served is not an output."""
-    from tokenmill.resources import returning_freed_memory
+    from tokenmill.resources import return_freed_memory
 
-    with returning_freed_memory():  # what the compression freed goes back to the system first
-        pass
+    return_freed_memory()  # what the compression freed goes back to the system first
     back = loader.load(out_dir, "float32", torch.device("cpu"))
     ids = torch.arange(min(8, back.arch.vocab_size))
     logits = back.model.compute_logits(back.model(ids, torch.arange(ids.numel())))
@@ -76,8 +75,8 @@ def run_quantize(args: argparse.Namespace) -> dict:
     cfg.validate(stream.model)
     stream.check_fits(calibration_bytes(stream.arch, cfg.calib_samples, cfg.calib_seq_len) if cfg.calibrated else 0)
     t0 = time.perf_counter()
-    samples = calib.mixed_windows([calib.source_tokens(stream.tokenizer, p) for p in calib_paths],
-                                  cfg.calib_samples, cfg.calib_seq_len) if cfg.calibrated else None
+    samples = _calibration(stream.tokenizer, calib_paths, cfg.calib_samples, cfg.calib_seq_len) \
+        if cfg.calibrated else None
     report = {"command": "quantize", "method": cfg.method, "group_size": cfg.group_size if cfg.bits == 4 else -1,
               "bits": cfg.bits, "act_order": cfg.uses_act_order,
               "hessian_shrink": cfg.shrink if cfg.method == "gptq" else None,
@@ -141,7 +140,7 @@ def run_prune(args: argparse.Namespace) -> dict:
         if prune.needs_calibration(args.method) else None
     loaded = _load_float(args.model)
     t0 = time.perf_counter()
-    samples = _calibration(loaded, calib_paths, args.calib_samples, args.calib_seq_len) \
+    samples = _calibration(loaded.tokenizer, calib_paths, args.calib_samples, args.calib_seq_len) \
         if prune.needs_calibration(args.method) else None
     report = {"command": "prune", "method": args.method, "sparsity": sparsity, **_source_report(loaded, args.model)}
     if args.method in prune.STRUCTURED:
@@ -227,7 +226,7 @@ def run_qat(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     results = qat.load_start(work_dir, qcfg, student.model)
     if results is None:
-        samples = _calibration(student, calib_paths, qcfg.calib_samples, qcfg.calib_seq_len) \
+        samples = _calibration(student.tokenizer, calib_paths, qcfg.calib_samples, qcfg.calib_seq_len) \
             if calibrated else None
         results = q.quantize_model(student.model, qcfg.quantize_config(), samples, progress=not args.quiet)
         qat.latent_start(student.model, results)

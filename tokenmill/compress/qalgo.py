@@ -29,10 +29,10 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         out = self.q.float()
-        k = out.shape[1]
-        runs = torch.nonzero(torch.diff(self.g_idx)).flatten() + 1 if k > 1 else torch.zeros(0, dtype=torch.long)
-        if bool((torch.diff(self.g_idx) >= 0).all()):  # contiguous groups: in place, group by group
-            for s, e in zip([0, *runs.tolist()], [*runs.tolist(), k]):
+        step = torch.diff(self.g_idx)
+        if bool((step >= 0).all()):  # contiguous groups: in place, group by group
+            cuts = (torch.nonzero(step).flatten() + 1).tolist()
+            for s, e in zip([0, *cuts], [*cuts, out.shape[1]]):
                 g = int(self.g_idx[s])
                 out[:, s:e].sub_(self.zeros[:, g:g + 1].float()).mul_(self.scales[:, g:g + 1])
             return out
@@ -171,16 +171,22 @@ def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, xtx: torch.Tensor, rows:
     return float(((d.to(xtx.dtype) @ xtx).float() * d).sum()) / (rows * w.shape[0])
 
 
+def _even_runs(k: int, group_size: int) -> list[tuple[int, int, int, slice]]:
+    """(start, end, width, groups) of the runs of equally wide groups: the full groups, then the
+    shorter last one if the size does not divide k; each run reshapes to (N, groups, width)."""
+    size = k if group_size == -1 else group_size
+    full = k // size
+    return [(0, full * size, size, slice(0, full))] + ([(full * size, k, k - full * size, slice(full, full + 1))]
+                                                        if k % size else [])
+
+
 def fake_quant(w: torch.Tensor, bits: int, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """`rtn(...).dequantize()` for every group at once (the searches' inner loop): asymmetric,
     `clip` (N, G) shrinking each group's range."""
     n, k = w.shape
-    size = k if group_size == -1 else group_size
-    full, maxq = k // size, 2 ** bits - 1
+    maxq = 2 ** bits - 1
     out = torch.empty(n, k)
-    pieces = [(0, full * size, size, slice(0, full))] + ([(full * size, k, k - full * size, slice(full, full + 1))]
-                                                          if k % size else [])
-    for s, e, width, groups in pieces:
+    for s, e, width, groups in _even_runs(k, group_size):
         wg = w[:, s:e].float().reshape(n, -1, width)
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
         if clip is not None:
@@ -220,12 +226,8 @@ def awq_clip(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, ste
     1 (no clipping) is a candidate. All groups of a width at once (a batched product). Returns (N, G)."""
     w = w.float()
     n, k = w.shape
-    size = k if group_size == -1 else group_size
-    full = k // size
     best = torch.ones(n, len(group_bounds(k, group_size)))
-    pieces = [(0, full * size, size, slice(0, full))] + ([(full * size, k, k - full * size, slice(full, full + 1))]
-                                                          if k % size else [])
-    for s, e, width, groups in pieces:
+    for s, e, width, groups in _even_runs(k, group_size):
         gcount = (e - s) // width
         hb = torch.stack([xtx[s + g * width:s + (g + 1) * width, s + g * width:s + (g + 1) * width]
                           for g in range(gcount)])                                   # (G, gs, gs)

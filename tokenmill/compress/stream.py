@@ -67,9 +67,9 @@ class LayerStream:
 
     def parameters(self) -> int:
         """The model's parameter count from its shapes (the weights are not all in memory)."""
-        n = sum(p.numel() for name, p in self.model.named_parameters() if not name.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")))
-        n += self.arch.vocab_size * self.arch.hidden_size
-        return n + sum(_elements(m) for m in self.model.modules() if isinstance(m, Linear))
+        linears = [m for m in self.model.modules() if isinstance(m, Linear)]
+        weights = {id(m.weight) for m in linears}
+        return sum(_elements(m) for m in linears) + sum(p.numel() for p in self.model.parameters() if id(p) not in weights)
 
     def _fill(self, items: list) -> None:
         fill_weights(self.model, ((name, read(), extras) for name, read, extras in items))
