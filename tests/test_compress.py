@@ -94,6 +94,60 @@ def test_gptq_lowers_the_layer_output_error_below_rtn(seed, act_order):
     assert err_gptq < 0.8 * err_rtn
 
 
+def _textbook_gptq(w, h, bits, group_size, act_order, damp):
+    """GPTQ as the paper writes it: the upper Cholesky factor U of the damped H^-1, one column at a
+    time, its rounding error fed to the later columns through U's row; a group's grid drawn from the
+    weights fed back so far at its first column (static groups: from the original weights)."""
+    n, k = w.shape
+    size = k if group_size == -1 else group_size
+    perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else torch.arange(k)
+    hp = h[perm][:, perm].double()
+    hp += damp * torch.diagonal(hp).mean() * torch.eye(k, dtype=torch.float64)
+    u = torch.linalg.cholesky(torch.linalg.inv(hp), upper=True)
+    cur = w[:, perm].double().clone()
+    grids = {}
+    if act_order or group_size == -1:
+        grids = {g: qalgo.grid(w[:, s:e], bits, False) for g, (s, e) in enumerate(qalgo.group_bounds(k, group_size))}
+    q = torch.zeros(n, k, dtype=torch.long)
+    for j in range(k):
+        g = int(perm[j]) // size
+        if g not in grids:
+            grids[g] = qalgo.grid(cur[:, j:j + size].float(), bits, False)
+        scale, zero = grids[g]
+        qc = qalgo.quantize_cols(cur[:, j:j + 1].float(), scale, zero, bits)[:, 0]
+        q[:, perm[j]] = qc.long()
+        err = (cur[:, j] - ((qc - zero) * scale).double()) / u[j, j]
+        cur[:, j:] -= err[:, None] * u[j, j:][None, :]
+    return q
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (64, True), (-1, False), (64, False)])
+def test_gptq_equals_the_textbook_algorithm(group, act_order):
+    """The blocked, factorization-only GPTQ (`qalgo._feedback`: no inverse Hessian, updates in
+    sub-blocks) rounds as the column-by-column algorithm on the inverse's Cholesky factor does; K =
+    200 gives a shorter last group at 64."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(24, 200, generator=g)
+    x = torch.randn(600, 200, generator=g) * (0.2 + 3 * torch.rand(200, generator=g))
+    h = x.t() @ x
+    got = qalgo.gptq(w, h, 4, group, act_order=act_order, damp=0.01).q
+    want = _textbook_gptq(w, h, 4, group, act_order, 0.01)
+    assert (got != want).float().mean() < 0.002  # a value on a rounding edge may fall either way
+
+
+def test_blocked_input_products_equal_x_transposed_x(monkeypatch):
+    monkeypatch.setattr(calib, "GRAM_BLOCK", 48)  # 130 inputs: blocks of 48, 48, 34
+    st = calib.InputStats(130, want_xtx=True)
+    xs = [torch.randn(n, 130) for n in (70, 5000, 33)]
+    for x in xs:
+        st.add(x)
+    st.finish()
+    x = torch.cat(xs)
+    torch.testing.assert_close(st.xtx, x.t() @ x, rtol=1e-4, atol=1e-2)
+    torch.testing.assert_close(st.sq, (x * x).sum(0))
+    assert st.num_rows == x.shape[0]
+
+
 @pytest.mark.parametrize("group", [32, 64, -1])
 def test_search_helpers_equal_their_definitions(group):
     """The searches' vectorised RTN equals `rtn` (clipped or not, with a shorter last group), and

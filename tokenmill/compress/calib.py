@@ -4,6 +4,7 @@ rows for AWQ). Compression methods work one decoder layer at a time, feeding the
 outputs of the already-compressed one, so errors are measured where they accumulate."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -124,6 +125,7 @@ class InputStats:
     """What one linear layer's inputs looked like over the calibration set."""
     in_features: int
     want_xtx: bool = False
+    want_sums: bool = True                   # sq, abs_sum (AWQ, pruning; GPTQ needs only X^T X)
     dtype: torch.dtype = torch.float32        # of the X^T X products (their sums are float32)
     num_rows: int = 0
     xtx: torch.Tensor | None = None          # (K, K) sum of x^T x: GPTQ's Hessian, AWQ's error metric
@@ -134,27 +136,57 @@ class InputStats:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, self.in_features)
-        xf = x.float()
         self.num_rows += x.shape[0]
-        sq, ab = (xf * xf).sum(0), xf.abs().sum(0)
-        self.sq = sq if self.sq is None else self.sq.add_(sq)
-        self.abs_sum = ab if self.abs_sum is None else self.abs_sum.add_(ab)
+        if self.want_sums:
+            xf = x.float()
+            sq, ab = (xf * xf).sum(0), xf.abs().sum(0)
+            self.sq = sq if self.sq is None else self.sq.add_(sq)
+            self.abs_sum = ab if self.abs_sum is None else self.abs_sum.add_(ab)
         if self.want_xtx:
             self.pending.append(x.to(self.dtype))
             if sum(p.shape[0] for p in self.pending) >= self.ROWS_PER_PRODUCT:
                 self.flush()
 
     def flush(self) -> None:
+        """Add the pending rows' products to X^T X: only its upper blocks (`finish` mirrors them)."""
         if not self.pending:
             return
         xd = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
         self.pending = []
-        prod = (xd.t() @ xd).float()
-        self.xtx = prod if self.xtx is None else self.xtx.add_(prod)
+        if self.xtx is None:
+            self.xtx = torch.zeros(self.in_features, self.in_features)
+        for (s, e), (s2, e2), prod in upper_gram_blocks(xd):
+            self.xtx[s:e, s2:e2].add_(prod)
+
+    def finish(self) -> None:
+        self.flush()
+        if self.xtx is not None:
+            for (s, e), (s2, e2) in _block_pairs(self.in_features):
+                if s2 > s:
+                    self.xtx[s2:e2, s:e] = self.xtx[s:e, s2:e2].t()
 
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / max(self.num_rows, 1)
+
+
+GRAM_BLOCK = 1024  # X^T X in blocks of this many columns, the lower ones mirrored (faster than one product)
+
+
+def _block_pairs(k: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    cuts = [(s, min(s + GRAM_BLOCK, k)) for s in range(0, k, GRAM_BLOCK)]
+    return [(a, b) for i, a in enumerate(cuts) for b in cuts[i:]]
+
+
+def upper_gram_blocks(x: torch.Tensor):
+    """The blocks on and above the diagonal of x^T x, as float32 ((rows), (cols), block): a
+    symmetric product computed once per pair of column blocks (an 8,192-input layer: 36 of 64)."""
+    if x.shape[1] <= GRAM_BLOCK:
+        yield (0, x.shape[1]), (0, x.shape[1]), (x.t() @ x).float()
+        return
+    xt = x.t().contiguous()
+    for (s, e), (s2, e2) in _block_pairs(x.shape[1]):
+        yield (s, e), (s2, e2), (xt[s:e] @ xt[s2:e2].t()).float()
 
 
 def linears(layer: DecoderLayer) -> dict[str, Linear]:
@@ -175,28 +207,50 @@ class LayerWalk:
             if model.cfg.embed_scale:
                 self.hidden = [h * torch.tensor(model.cfg.hidden_size ** 0.5, dtype=h.dtype) for h in self.hidden]
 
-    def _autocast(self):
-        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.dtype == torch.bfloat16)
+    @contextlib.contextmanager
+    def _matmuls(self, layer: DecoderLayer):
+        """Autocast to `dtype`, the linear weights cast once for the pass rather than by autocast
+        at every window (autocast caches no cast of a weight that needs no gradient)."""
+        if self.dtype == torch.float32:
+            yield
+            return
+        mods = linears(layer).values()
+        kept = [m.weight.data for m in mods]
+        for m in mods:
+            m.weight.data = m.weight.data.to(self.dtype)
+        try:
+            with torch.autocast("cpu", dtype=self.dtype):
+                yield
+        finally:
+            for m, w in zip(mods, kept):
+                m.weight.data = w
 
     @torch.no_grad()
-    def stats(self, layer: DecoderLayer, want_xtx: bool = False) -> dict[str, InputStats]:
+    def stats(self, layer: DecoderLayer, want_xtx: bool = False, want_sums: bool = True) -> dict[str, InputStats]:
         """Run the layer over every window, recording its linear layers' inputs."""
-        found = {name: InputStats(m.in_features, want_xtx, self.dtype) for name, m in linears(layer).items()}
+        found = {name: InputStats(m.in_features, want_xtx, want_sums, self.dtype)
+                 for name, m in linears(layer).items()}
         hooks = [m.register_forward_pre_hook(lambda mod, args, st=found[name]: st.add(args[0]))
                  for name, m in linears(layer).items()]
+        # the down projection's product feeds only the layer's output, which this pass discards:
+        # its inputs are recorded and the product skipped (a quarter of a Llama layer's work)
+        down = layer.mlp.down_proj
+        down.forward = lambda x: x.new_zeros(*x.shape[:-1], down.out_features)
         try:
-            with self._autocast():
+            with self._matmuls(layer):
                 for h in self.hidden:
                     layer(self.rope, h)
         finally:
+            del down.forward
             for hook in hooks:
                 hook.remove()
         for st in found.values():
-            st.flush()
+            st.finish()
         return found
 
     @torch.no_grad()
     def advance(self, layer: DecoderLayer) -> None:
         """Replace the hidden states by the (compressed) layer's outputs: the next layer's inputs."""
-        with self._autocast():
-            self.hidden = [layer(self.rope, h).float() for h in self.hidden]
+        with self._matmuls(layer):
+            for i, h in enumerate(self.hidden):  # one window's states replaced at a time: no second copy
+                self.hidden[i] = layer(self.rope, h).float()

@@ -87,8 +87,8 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False,
 def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bool = False,
          act_order: bool = False, damp: float = 0.01, shrink: float = 0.0, keep_source: bool = True) -> QuantizedWeight:
     """Quantize columns one at a time, spreading each column's rounding error over the columns not
-    yet quantized through the inverse Hessian H = X^T X of the layer's inputs (lazy batch updates
-    in blocks; group scales fixed when a group's first column is reached). `act_order` handles
+    yet quantized through the Hessian H = X^T X of the layer's inputs (`_feedback`; lazy batch
+    updates in blocks; group scales fixed when a group's first column is reached). `act_order` handles
     columns by decreasing activation energy first while the groups stay contiguous runs of
     inputs, their scales fixed from the weights before any error feedback (GPTQModel's "static
     groups"): `g_idx` stays the natural one, so every layout and kernel (and GGUF) holds it.
@@ -112,50 +112,92 @@ def gptq(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, sym: bo
             scales[:, g], zeros[:, g] = grid(w[:, s:e], bits, sym)
     perm = torch.argsort(torch.diagonal(h), descending=True) if act_order else torch.arange(k)
     group_of = perm // size  # the (static) group of each column in processing order
-    w, h = w[:, perm], h[perm][:, perm]
+    back = perm.flip(0)  # H permuted and order-reversed at once: the copy `_feedback` damps and takes over
+    w, h = w[:, perm], h[back][:, back]
     if not bool(torch.isfinite(h).all()):
         raise ValueError("the layer's inputs overflowed (non-finite X^T X); the model's activations are too large "
                          "for the calibration dtype: try --compute-dtype float32.")
-    hinv = _inverse_cholesky(h, damp)
+    feed = _feedback(h, damp)
+    # columns as rows (w transposed): a column's update is one contiguous row, the updates inside
+    # a block are BLAS rank-1 updates on small sub-blocks, the rest matrix products
+    orig = w.t().contiguous()
+    wt = orig.clone()
+    scales_t, zeros_t = scales.t().contiguous(), zeros.t().contiguous()
+    qt = torch.zeros(k, n)
+    source_t = torch.zeros(k, n) if keep_source else None
     block = size * max(1, 128 // size) if group_size != -1 else 128
-    q = torch.zeros(n, k, dtype=torch.long)
-    source = torch.zeros(n, k) if keep_source else None
+    maxq = 2 ** bits - 1
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1), hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            g = int(group_of[col])
-            if not static and col % size == 0:
-                scales[:, g], zeros[:, g] = grid(w1[:, i:i + size], bits, sym)
-            qc = quantize_cols(w1[:, i:i + 1], scales[:, g], zeros[:, g], bits)[:, 0]
-            q[:, col] = qc.long()
-            if source is not None:
-                source[:, col] = w1[:, i]
-            err = (w1[:, i] - (qc - zeros[:, g]) * scales[:, g]) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+        w1, err1 = wt[i1:i2], torch.zeros(i2 - i1, n)
+        for j1 in range(0, i2 - i1, _SUB):
+            j2 = min(j1 + _SUB, i2 - i1)
+            for i in range(j1, j2):
+                col = i1 + i
+                g = int(group_of[col])
+                if not static and col % size == 0:
+                    scales_t[g], zeros_t[g] = grid(_compensated(orig, w1, feed, col, i, size).t(), bits, sym)
+                row = w1[i]
+                qc = (row / scales_t[g]).round_().add_(zeros_t[g]).clamp_(0, maxq)
+                qt[col] = qc
+                if source_t is not None:
+                    source_t[col] = row
+                err = torch.sub(orig[col], (qc - zeros_t[g]).mul_(scales_t[g]), out=err1[i])
+                if i + 1 < j2:
+                    w1[i + 1:j2].addr_(feed[col, col + 1:i1 + j2], err)
+            if j2 < i2 - i1:
+                w1[j2:].addmm_(feed[i1 + j1:i1 + j2, i1 + j2:i2].t(), err1[j1:j2])
+        if i2 < k:
+            wt[i2:].addmm_(feed[i1:i2, i2:].t(), err1)
+    scales, zeros = scales_t.t().contiguous(), zeros_t.t().contiguous()
+    q = qt.t().long()
+    source = None if source_t is None else source_t.t().contiguous()
     inv = torch.argsort(perm)
     return QuantizedWeight(q if not act_order else q[:, inv], zeros.long(), scales, default_g_idx(k, group_size), bits,
                            None if source is None else source if not act_order else source[:, inv])
 
 
-def _inverse_cholesky(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1, in float32 (as AutoGPTQ; float64
-    doubles the time of an 8192-input layer's factorizations). Rounding in the sums of X^T X can
-    leave H a hair from positive definite on nearly collinear inputs; the damping then grows 10x
-    at a time up to the mean diagonal itself (GPTQModel's auto-increment) rather than fail."""
-    k, mean = h.shape[0], torch.diagonal(h).mean()
+def _compensated(orig: torch.Tensor, w1: torch.Tensor, feed: torch.Tensor, col: int, i: int, size: int
+                 ) -> torch.Tensor:
+    """A group's values compensated for every column before it, which GPTQ's grid is drawn from
+    when groups are not static (AutoGPTQ's values at the group's first column). The nearest-plane
+    sums hold only part of that yet; the rest solves V_gg^T D = w_g - partial (unit triangular)."""
+    e = min(col + size, feed.shape[0])
+    part = w1[i:i + e - col]
+    d = torch.linalg.solve_triangular(feed[col:e, col:e].t(), orig[col:e] - part, upper=False,
+                                      unitriangular=True)
+    return orig[col:e] - d
+
+
+_SUB = 32  # GPTQ: columns per rank-1 sub-block inside a lazy-update block
+
+
+def _feedback(flipped: torch.Tensor, damp: float) -> torch.Tensor:
+    """GPTQ's error feedback without the inverse Hessian. With J the order reversal and
+    `flipped` = J H J = L L^T (damped in place: the caller's scratch copy), the upper factor
+    V = J L J has H = V^T V, and V^-1 is the upper Cholesky factor of H^-1 that AutoGPTQ gets from
+    three factorizations; column j's value before rounding is w_j + sum_{i<j} (w_i - deq_i) V_ij /
+    V_jj in the original weights w (the nearest-plane form of GPTQ): one factorization and no
+    inverse. Returned with its columns divided by
+    the diagonal. Float32, as AutoGPTQ (float64 doubles the time). H is damped by `damp` * its
+    mean diagonal; rounding in the sums of X^T X can leave it a hair from positive definite on
+    nearly collinear inputs, and the damping then grows 10x at a time up to the mean diagonal
+    itself (GPTQModel's auto-increment) rather than fail."""
+    diag = flipped.diagonal()
+    mean, added = diag.mean(), 0.0
     while True:
-        try:
-            damped = h + damp * mean * torch.eye(k, dtype=h.dtype)
-            return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True).float()
-        except torch.linalg.LinAlgError:
-            if damp >= 1.0:
-                raise ValueError("the layer's input Hessian is not positive definite even with damping equal to its "
-                                 "mean diagonal; use more calibration samples.") from None
-            damp = min(1.0, damp * 10)
+        diag.add_(damp * mean - added)  # damped in place: `flipped` is the caller's scratch copy
+        added = damp * mean
+        lower, info = torch.linalg.cholesky_ex(flipped)
+        if int(info) == 0:
+            del flipped, diag
+            v = lower.flip(0, 1)
+            del lower
+            return v.div_(v.diagonal().clone()[None, :])
+        if damp >= 1.0:
+            raise ValueError("the layer's input Hessian is not positive definite even with damping equal to its "
+                             "mean diagonal; use more calibration samples.")
+        damp = min(1.0, damp * 10)
 
 
 def output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
@@ -165,10 +207,15 @@ def output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float
 
 def hessian_error(w: torch.Tensor, w_hat: torch.Tensor, xtx: torch.Tensor, rows: int) -> float:
     """`output_error` over every calibration row at once from H = X^T X (rows of X: `rows`):
-    mean((X dW^T)^2) = tr(dW H dW^T) / (rows * N). Costs N K^2 however many rows calibrated;
-    `xtx` may be bfloat16 (the product's sums stay float32 up to its rounding)."""
-    d = w_hat.float() - w.float()
-    return float(((d.to(xtx.dtype) @ xtx).float() * d).sum()) / (rows * w.shape[0])
+    mean((X dW^T)^2) = tr(dW H dW^T) / (rows * N). Costs N K^2 however many rows calibrated."""
+    return _trace_error(w_hat.float() - w.float(), xtx, rows)
+
+
+def _trace_error(d: torch.Tensor, xtx: torch.Tensor, rows: int) -> float:
+    """tr(d H d^T) / (rows * N), in H's dtype (bfloat16 products and elementwise terms where the
+    searches run in it, each rounding unbiased; the sum in float32)."""
+    d = d.to(xtx.dtype)
+    return float((d @ xtx).mul_(d).sum(dtype=torch.float32)) / (rows * d.shape[0])
 
 
 def _even_runs(k: int, group_size: int) -> list[tuple[int, int, int, slice]]:
@@ -182,19 +229,23 @@ def _even_runs(k: int, group_size: int) -> list[tuple[int, int, int, slice]]:
 
 def fake_quant(w: torch.Tensor, bits: int, group_size: int, clip: torch.Tensor | None = None) -> torch.Tensor:
     """`rtn(...).dequantize()` for every group at once (the searches' inner loop): asymmetric,
-    `clip` (N, G) shrinking each group's range."""
+    `clip` (N, G) shrinking each group's range. One new tensor, the rest in place."""
     n, k = w.shape
     maxq = 2 ** bits - 1
-    out = torch.empty(n, k)
-    for s, e, width, groups in _even_runs(k, group_size):
+    runs = _even_runs(k, group_size)
+    out = torch.empty(n, k) if len(runs) > 1 else None
+    for s, e, width, groups in runs:
         wg = w[:, s:e].float().reshape(n, -1, width)
-        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        lo, hi = torch.aminmax(wg, dim=-1)
+        lo, hi = lo.clamp_(max=0), hi.clamp_(min=0)
         if clip is not None:
-            lo, hi = lo * clip[:, groups], hi * clip[:, groups]
-        scale = ((hi - lo) / maxq).clamp(min=2 ** -20).half().float()[..., None]
-        zero = (-lo[..., None] / scale).round().clamp(0, maxq)
-        q = ((wg / scale).round() + zero).clamp(0, maxq)
-        out[:, s:e] = ((q - zero) * scale).reshape(n, e - s)
+            lo, hi = lo.mul_(clip[:, groups]), hi.mul_(clip[:, groups])
+        scale = hi.sub_(lo).div_(maxq).clamp_(min=2 ** -20).half().float()[..., None]
+        zero = lo[..., None].div(scale).neg_().round_().clamp_(0, maxq)
+        q = torch.div(wg, scale).round_().add_(zero).clamp_(0, maxq).sub_(zero).mul_(scale).reshape(n, e - s)
+        if out is None:
+            return q
+        out[:, s:e] = q
     return out
 
 
@@ -211,7 +262,7 @@ def awq_scales(w: torch.Tensor, xtx: torch.Tensor, x_mag: torch.Tensor, rows: in
     for i in range(steps):
         s = x_mag.pow(i / steps)
         s = s / (s.max() * s.min()).sqrt()
-        loss = hessian_error(w, fake_quant(w * s, bits, group_size) / s, xtx, rows)
+        loss = _trace_error(fake_quant(w * s, bits, group_size).div_(s).sub_(w), xtx, rows)
         if i == 0:
             rtn_loss = loss
         if loss < best[1]:
@@ -235,8 +286,8 @@ def awq_clip(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, ste
         best_err = torch.full((n, gcount), float("inf"))
         for i in range(steps):
             f = torch.full((n, gcount), 1.0 - max_shrink * i / steps)
-            d = (fake_quant(wg, bits, width, f) - wg).reshape(n, gcount, width)
-            err = ((torch.bmm(d.transpose(0, 1).to(hb.dtype), hb).float().transpose(0, 1)) * d).sum(-1)  # (N, G)
+            d = fake_quant(wg, bits, width, f).sub_(wg).reshape(n, gcount, width).transpose(0, 1).to(hb.dtype)
+            err = torch.bmm(d, hb).mul_(d).sum(-1, dtype=torch.float32).t()              # (N, G)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best[:, groups] = torch.where(better, f, best[:, groups])

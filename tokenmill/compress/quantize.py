@@ -116,7 +116,7 @@ def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Ten
         if stream is not None:
             stream.load_layer(i)
         if cfg.method == "gptq":
-            stats = walk.stats(layer, want_xtx=True)
+            stats = walk.stats(layer, want_xtx=True, want_sums=False)
             for name, m in linears(layer).items():
                 emit(f"model.layers.{i}.{name}", _apply(
                     m, qalgo.gptq(m.weight.data, stats[name].xtx, 4, cfg.group_size, act_order=cfg.uses_act_order,
@@ -131,7 +131,7 @@ def quantize_model(model: CausalLM, cfg: QuantizeConfig, samples: list[torch.Ten
                 emit(f"model.layers.{i}.{name}", _apply(
                     m, qalgo.rtn(m.weight.data, cfg.bits, group, sym=cfg.method == "rtn-int8",
                                  keep_source=on_layer is None)))
-        if walk is not None:
+        if walk is not None and i + 1 < len(layers):  # the last layer's outputs feed nothing
             walk.advance(layer)
         if stream is not None:
             stream.release_layer(i)
