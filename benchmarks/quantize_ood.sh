@@ -10,7 +10,8 @@
 # MT-Bench's user turns rendered with the model's chat template, windows drawn equally from each;
 # CALIB=wiki: WikiText-2 valid alone. QUANT_ARGS: more quantize flags for the calibrated methods (an
 # ablation, e.g. "--no-act-order --hessian-shrink 0"), TAG names that run. Writes
-# results/quantize_ood-CALIB[-TAG].jsonl.
+# results/quantize_ood-CALIB[-TAG].jsonl (a rerun replaces its models' rows); a quantized model already
+# in OUT is scored, not made again.
 source "$(dirname "$0")/common.sh"
 TOKENS=${TOKENS:-6000}
 GROUP_SIZES=${GROUP_SIZES:-"32 64 128"}
@@ -26,7 +27,16 @@ calib=(--calib "$SHARED/data/wikitext-2/valid.txt")
 [ "$CALIB" = mix ] && read -r -a calib <<< "$(mixed_calib "$texts")"
 QUANT_ARGS=${QUANT_ARGS:-}
 TAG=${TAG:+-$TAG}
-res=$RESULTS/quantize_ood-$CALIB$TAG.jsonl; : > "$res"
+res=$RESULTS/quantize_ood-$CALIB$TAG.jsonl
+touch "$res"
+for model in $MODELS; do  # a rerun replaces the rows of the models it runs, keeps the others'
+  "$PY" - "$res" "$(basename "$model" .gguf)" <<'PY'
+import json, sys
+path, name = sys.argv[1], sys.argv[2]
+rows = [line for line in open(path) if line.strip() and json.loads(line)["model"] != name]
+open(path, "w").writelines(rows)
+PY
+done
 ppl() {  # model text -> perplexity
   "$TM" --log-level WARNING eval ppl --model "$1" --data "$2" --max-tokens "$TOKENS" --quantization none 2>/dev/null |
     "$PY" -c 'import json,sys; print(json.load(sys.stdin)["perplexity"])'
