@@ -196,8 +196,7 @@ def load_encoder(path: str, dtype: torch.dtype = torch.float32) -> Encoder:
                                          f"{tuple(target.shape)}.")
                     target.copy_(t)
                     loaded.add(ours + part)
-    need = {n + (str(i) if n.endswith(("qkv.weight", "qkv.bias")) else "")
-            for n in params for i in (range(3) if n.endswith(("qkv.weight", "qkv.bias")) else [0])}
+    need = {n + part for n in params for part in (("0", "1", "2") if ".qkv." in n else ("",))}
     missing = sorted(need - loaded)
     if cfg.type_vocab_size == 0:
         missing = [m for m in missing if not m.startswith("token_type")]
