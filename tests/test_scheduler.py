@@ -213,3 +213,51 @@ def test_prompts_within_the_budget_and_unpaced_configs_take_the_budget():
     import pytest
     with pytest.raises(ValueError, match="long_prefill_slowdown"):
         SchedulerConfig(long_prefill_slowdown=0.5)
+
+
+def _pooled(s, i, n, tokens=None):
+    from tokenmill.pooling_params import PoolingParams
+
+    r = Request(f"p{i}", tokens or list(range(1, n + 1)), SamplingParams(max_tokens=1), set(), pooling=PoolingParams())
+    s.add_request(r)
+    return r
+
+
+def _pool_step(s):
+    out = s.schedule()
+    done = s.update(out, RunnerOutput(sampled={e.req_id: [7] for e in out.scheduled if e.sample},
+                                      pooled={e.req_id: [float(len(e.token_ids))] for e in out.scheduled if e.pool}))
+    return out, done
+
+
+def test_a_pooling_request_prefills_in_chunks_pools_once_and_frees_its_blocks():
+    s, bm = make(budget=10, caching=True)
+    g = add(s, 0, 6)
+    p = _pooled(s, 1, 25, list(range(100, 125)))
+    steps = [_pool_step(s) for _ in range(4)]
+    assert [[(e.req_id, len(e.token_ids), e.sample, e.pool) for e in out.scheduled] for out, _ in steps] == [
+        [("r0", 6, True, False), ("p1", 4, False, False)],
+        [("r0", 1, True, False), ("p1", 9, False, False)],
+        [("r0", 1, True, False), ("p1", 9, False, False)],
+        [("r0", 1, True, False), ("p1", 3, False, True)]]
+    assert p.is_finished and p.finish_reason == "stop" and p.pooled == [3.0]
+    assert p.num_output_tokens == 0 and not p.block_table and p.metrics.first_token_time is not None
+    assert (p, 0) in steps[-1][1]
+    assert len(bm.cached) >= 6  # its 6 full blocks stay cached for later prefixes
+    bm.check_integrity([g])
+    again = _pooled(s, 2, 25, list(range(100, 125)))
+    out, _ = _pool_step(s)
+    assert [(e.req_id, e.start_pos, len(e.token_ids), e.pool) for e in out.scheduled if e.req_id == "p2"] == \
+        [("p2", 24, 1, True)]
+    assert again.is_finished
+
+
+def test_whole_prompts_run_in_one_step_or_wait():
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    s = Scheduler(SchedulerConfig(8, 16, 16, whole_prompts=True), bm)
+    a, b, c = _pooled(s, 0, 10), _pooled(s, 1, 8), _pooled(s, 2, 3)
+    out, _ = _pool_step(s)
+    assert [(e.req_id, len(e.token_ids), e.pool) for e in out.scheduled] == [("p0", 10, True)]  # p1 does not fit
+    out, _ = _pool_step(s)
+    assert [(e.req_id, len(e.token_ids)) for e in out.scheduled] == [("p1", 8), ("p2", 3)]
+    assert a.is_finished and b.is_finished and c.is_finished and bm.num_free_blocks == 64

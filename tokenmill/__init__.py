@@ -1,5 +1,6 @@
 """tokenmill: a small, fast LLM inference engine (paged KV cache, continuous batching) with
-vLLM's API: `LLM(...).generate(...)` offline, `tokenmill serve` for an OpenAI-compatible server.
+vLLM's API: `LLM(...).generate(...)` (or `.embed` / `.score` for pooling models) offline,
+`tokenmill serve` for an OpenAI-compatible server.
 
 The public names load on first use (PEP 562), so processes that never run a model — the router,
 the CLI's argument parsing — do not pay for importing torch."""
@@ -10,13 +11,15 @@ from typing import TYPE_CHECKING
 
 _EXPORTS = {"LLM": "tokenmill.engine.llm", "SamplingParams": "tokenmill.sampling_params",
             "StructuredOutputsParams": "tokenmill.sampling_params", "RequestOutput": "tokenmill.outputs",
-            "CompletionOutput": "tokenmill.outputs"}
+            "CompletionOutput": "tokenmill.outputs", "PoolingParams": "tokenmill.pooling_params",
+            "PoolingRequestOutput": "tokenmill.outputs"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
-    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+    from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 

@@ -10,6 +10,9 @@ import re
 from dataclasses import dataclass, field, fields
 
 
+TASKS = ("auto", "generate", "embed", "classify")
+
+
 def _help(text: str) -> dict:
     return {"help": text}
 
@@ -54,8 +57,14 @@ class ModelConfig:
         "instead of reading and packing the model again. auto: weights/ in tokenmill's cache folder (TOKENMILL_CACHE_DIR, "
         "else $XDG_CACHE_HOME/tokenmill or ~/.cache/tokenmill), "
         "for models of 256 MiB or more"))
+    task: str = field(default="auto", metadata=_help(
+        "auto | generate | embed | classify: what the model serves. auto: an encoder (BERT family) embeds, or "
+        "classifies if it has a sequence-classification head (a cross-encoder reranker); a decoder generates and "
+        "also embeds (last-token pooling). embed: a decoder embedder (Qwen3-Embedding style), no generation"))
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}.")
         if not isinstance(self.weight_cache, str) or not self.weight_cache.strip():
             raise ValueError(f"weight_cache must be auto, off or a directory, got {self.weight_cache!r}.")
         bits = self.activation_bits

@@ -53,3 +53,33 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # the request failed (its outputs' finish_reason is "error" or "abort")
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector: an embedding, or a classifier's probabilities (a cross-encoder's
+    relevance score is the one probability). vLLM's `outputs.embedding` / `.score` / `.probs`."""
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        return self.data[0]
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None  # the request failed; `outputs.data` is then empty

@@ -5,6 +5,7 @@ import enum
 import time
 
 from tokenmill.outputs import RequestMetrics
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -23,8 +24,11 @@ class Request:
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, pooling: PoolingParams | None = None) -> None:
         self.req_id = req_id
+        # a pooling request prefills its prompt and ends with one vector (`pooled`), no tokens
+        self.pooling = pooling
+        self.pooled: list[float] | None = None
         self.cache_salt = cache_salt  # prefix-cache namespace: only requests with the same salt share blocks
         self.priority = priority  # lower runs first under the priority policy
         self.arrival_seq = 0      # set by the scheduler: ties in priority go to the earlier request

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -20,13 +21,15 @@ class NewRequest:
     prompt_len: int
     params: SamplingParams
     eos_token_ids: list[int]
+    pooling: PoolingParams | None = None  # a pooling request: one vector at the end of its prompt, no tokens
 
 
 @dataclass
 class ScheduledRequest:
     """What the runner does for one request this step: feed `token_ids` (positions `start_pos ..`),
     writing their KV through the request's block table, which is first cut to `num_kept_blocks`
-    blocks and extended by `new_block_ids`; sample if `sample`. The last `num_drafts` of
+    blocks and extended by `new_block_ids`; sample if `sample`, or pool the prompt's hidden states
+    into the request's vector if `pool` (its last chunk: a pooling request never samples). The last `num_drafts` of
     `token_ids` are draft tokens to verify: every one of the 1 + num_drafts last positions is
     scored. `num_propose`: how many drafts to propose for the next step (0: none)."""
     req_id: str
@@ -37,6 +40,7 @@ class ScheduledRequest:
     sample: bool
     num_drafts: int = 0
     num_propose: int = 0
+    pool: bool = False
 
 
 @dataclass
@@ -79,12 +83,14 @@ class SchedulerOutput:
 class RunnerOutput:
     """Per sampled request: the tokens it gained this step — the accepted drafts, then one token
     sampled by the target — with (when asked for) each one's logprob, rank and top-k alternatives
-    as (token_id, logprob) pairs, best first; and the drafts proposed for its next step. Or, for a
+    as (token_id, logprob) pairs, best first; and the drafts proposed for its next step. Per pooled
+    request its vector (an embedding, or a classifier's probabilities). Or, for a
     fault that belongs to one request (non-finite logits, a sampling error), no token and the reason."""
     sampled: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[tuple[float, int, list[tuple[int, float]]]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # req_id -> why this request's step failed
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling requests' vectors (entries with pool)
     timing: StepTiming | None = None
 
 

@@ -40,6 +40,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # or "priority"
     sliding_window: int | None = None  # every layer's window: blocks before it are given back
     long_prefill_slowdown: float = 0.0  # > 1: long prompts paced beside decoders (pacing.py); 0: off
+    # an encoder's input runs whole in one step (every token attends to every other: no chunks)
+    whole_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -50,6 +52,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
         if self.long_prefill_slowdown != 0 and not 1 < self.long_prefill_slowdown < float("inf"):
             raise ValueError(f"long_prefill_slowdown must be 0 or above 1, got {self.long_prefill_slowdown}.")
+        if self.whole_prompts and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must hold a whole input of "
+                             f"max_model_len ({self.max_model_len}) tokens: this model's inputs run in one step.")
+        if self.whole_prompts and self.long_prefill_slowdown:
+            raise ValueError("long_prefill_slowdown paces prompts in chunks; this model's inputs run whole.")
 
 
 class Scheduler:
@@ -188,6 +195,8 @@ class Scheduler:
                 continue
             num_cached = len(cached) * bm.block_size
             num_new = self._paced(req, min(req.num_tokens - num_cached, budget))
+            if self.config.whole_prompts and num_new < req.num_tokens - num_cached:
+                break  # waits for a step with room for all of it, ahead of those behind it
             if num_new == 0:
                 continue
             if not bm.allocate(req, num_cached + num_new, cached):
@@ -227,12 +236,14 @@ class Scheduler:
         kept = self._blocks_sent.get(req.req_id)
         if kept is None:
             out.new_requests.append(NewRequest(req.req_id, req.token_ids, req.prompt_len, req.params,
-                                               sorted(req.eos_token_ids)))
+                                               sorted(req.eos_token_ids), req.pooling))
             kept = 0
         self._blocks_sent[req.req_id] = len(req.block_table)
+        last = end == req.num_tokens
         return ScheduledRequest(req_id=req.req_id, token_ids=req.token_ids[start:end] + drafts, start_pos=start,
                                 num_kept_blocks=kept, new_block_ids=req.block_table[kept:],
-                                sample=end == req.num_tokens, num_drafts=len(drafts))
+                                sample=last and req.pooling is None, num_drafts=len(drafts),
+                                pool=last and req.pooling is not None)
 
     # ----------------------------------------------------------------- after the forward pass
     def update(self, sched: SchedulerOutput, result: RunnerOutput) -> list[tuple[Request, int]]:
@@ -269,6 +280,12 @@ class Scheduler:
                 bm.cache_full_blocks(req)
                 if self.config.sliding_window:
                     bm.release_before_window(req, self.config.sliding_window)
+                if entry.pool:  # its vector is its whole output: done, its blocks stay cached for prefixes
+                    req.pooled = result.pooled[entry.req_id]
+                    self._count(req, entry, 0, 0, now)
+                    req.finish_reason = "stop"
+                    self.finish_request(req.req_id, "stop")
+                    advanced.append((req, 0))
                 continue
             tokens = result.sampled[entry.req_id]
             lps = result.logprobs.get(entry.req_id)

@@ -18,7 +18,8 @@ from typing import AsyncIterator, Callable, Protocol
 
 from tokenmill.core.sched_output import StepStats
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 log = logging.getLogger("tokenmill")
@@ -48,9 +49,11 @@ class EngineClient(Protocol):
     """What the server needs of an engine, wherever the engine runs."""
     tokenizer: object
     max_model_len: int
+    tasks: frozenset[str]  # what the model serves: generate, embed, classify
 
-    def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                 priority: int = 0, cache_salt: str | None = None
+                 ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]: ...
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: queued for the engine plus the engine's own queue."""
@@ -106,6 +109,7 @@ class AsyncEngine:
             self.engine = engine if isinstance(engine, LLMEngine) else engine()
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
+            self.tasks = self.engine.tasks
             # the one piece of the engine other threads may call: its thread-safe constraint compiler
             self._constraints = self.engine.constraint_compiler()
         except BaseException as e:  # noqa: BLE001 - handed to the constructor's caller
@@ -116,11 +120,13 @@ class AsyncEngine:
         self._run()
 
     # ---------------------------------------------------------------- event-loop side
-    async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+                       priority: int = 0, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """The request's outputs as the engine makes them; with PoolingParams one, its vector."""
         if self._dead is not None:
             raise EngineDeadError("the engine has stopped after an internal error")
-        if params.structured_outputs is not None:  # compiled here, off the engine thread (ValueError: 400)
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:  # compiled here, off the engine thread (ValueError: 400)
             await asyncio.to_thread(self._constraints, params)
         with self._lock:
             waiting = self.num_waiting

@@ -1,5 +1,5 @@
 """`LLM`: the offline API, as in vLLM — build once, then `generate` or `chat` over many prompts,
-all batched together by the engine."""
+all batched together by the engine; `embed`, `classify` and `score` for pooling models."""
 from __future__ import annotations
 
 import itertools
@@ -8,7 +8,8 @@ from typing import Sequence
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -51,8 +52,58 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list[tuple[str | None, list[int] | str]], params: list[SamplingParams],
-             use_tqdm: bool) -> list[RequestOutput]:
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One embedding per prompt (`outputs.embedding`), in order."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise ValueError(f"embed takes PoolingParams of task 'embed', got {params.task!r}.")
+        return self._pool(prompts, params, truncate_prompt_tokens, use_tqdm)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], truncate_prompt_tokens: int | None = None,
+                 use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """A sequence classifier's probabilities per prompt (`outputs.probs`)."""
+        return self._pool(prompts, PoolingParams(task="classify"), truncate_prompt_tokens, use_tqdm)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Relevance of each text pair (`outputs.score`): one `data_1` against every `data_2`, or
+        pairwise when both are lists of one length. A cross-encoder reads each pair as one input;
+        an embedding model scores the cosine similarity of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("score needs a tokenizer; this LLM was built with skip_tokenizer_init.")
+        if "classify" in self.engine.tasks:
+            prompts, params = [], []
+            for a, b in pairs:
+                ids, start = tok.encode_input(a, b, truncate_prompt_tokens)
+                prompts.append((None, ids))
+                params.append(PoolingParams(task="classify", pair_start=start))
+            return self._run(prompts, params, use_tqdm)
+        texts = [t for pair in pairs for t in pair]
+        vecs = self._pool(texts, PoolingParams(normalize=True), truncate_prompt_tokens, use_tqdm)
+        return [PoolingRequestOutput(f"score-{next(self._ids)}", None, a.prompt_token_ids + b.prompt_token_ids,
+                                     PoolingOutput([sum(x * y for x, y in zip(a.outputs.data, b.outputs.data))]),
+                                     True) for a, b in zip(vecs[::2], vecs[1::2])]
+
+    def _pool(self, prompts: PromptType | Sequence[PromptType], params: PoolingParams, truncate: int | None,
+              use_tqdm: bool) -> list[PoolingRequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tok = self.engine.tokenizer
+        items = []
+        for p in prompts:
+            text, prompt = _as_prompt(p)
+            if isinstance(prompt, str) and tok is not None:  # the model's special tokens, cut as asked
+                text, prompt = prompt, tok.encode_input(prompt, None, truncate)[0]
+            elif truncate is not None and isinstance(prompt, list):
+                prompt = prompt[:truncate]
+            items.append((text, prompt))
+        return self._run(items, [params] * len(items), use_tqdm)
+
+    def _run(self, prompts: list[tuple[str | None, list[int] | str]], params: list[SamplingParams | PoolingParams],
+             use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.engine
         ids = []
         try:
@@ -69,7 +120,8 @@ class LLM:
         t0, num_tokens = time.monotonic(), 0
         while engine.has_unfinished_requests():
             for out in engine.step():
-                num_tokens += sum(len(o.delta_token_ids) for o in out.outputs)
+                if isinstance(out, RequestOutput):
+                    num_tokens += sum(len(o.delta_token_ids) for o in out.outputs)
                 if out.finished:
                     final[out.request_id] = out
                     if bar is not None:
@@ -78,6 +130,19 @@ class LLM:
         if bar is not None:
             bar.close()
         return [final[i] for i in ids]
+
+
+def score_pairs(data_1: str | Sequence[str], data_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing: one text against each of many, or two lists of one length pairwise."""
+    one = [data_1] if isinstance(data_1, str) else list(data_1)
+    two = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not one or not two or not all(isinstance(t, str) for t in one + two):
+        raise ValueError("score takes non-empty texts: a string or a list of strings on each side.")
+    if len(one) == 1:
+        return [(one[0], t) for t in two]
+    if len(one) != len(two):
+        raise ValueError(f"score pairs lists of one length, or one text with many; got {len(one)} and {len(two)}.")
+    return list(zip(one, two))
 
 
 def _as_prompt(p: PromptType) -> tuple[str | None, list[int] | str]:
@@ -97,4 +162,4 @@ def _as_prompt(p: PromptType) -> tuple[str | None, list[int] | str]:
 def _progress(total: int):
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="generate", unit="req", dynamic_ncols=True)
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)

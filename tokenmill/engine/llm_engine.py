@@ -38,8 +38,10 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.speculation import DraftPolicy
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.threads import ThreadGovernor, default_threads
-from tokenmill.models import loader
-from tokenmill.outputs import RequestOutput
+from tokenmill.models import encoder, loader, pooling
+from tokenmill.models.tokenizer import Tokenizer
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.runner import kv_cache
 from tokenmill.runner.executor import UniprocExecutor
 from tokenmill.runner.model_runner import ModelRunner
@@ -79,8 +81,57 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig) -> None:
+        torch.manual_seed(config.model.seed)
+        if encoder.is_encoder(self.model_path):
+            self._build_encoder(config)
+        else:
+            self._build_decoder(config)
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
+        self.output = OutputProcessor(self.tokenizer, self.scheduler)
+        self._stats: StepStats | None = None   # the last step's, until `stats()` takes it
+        self._aborted: list[Request] = []      # sequences aborts ended since `stats()` was last taken
+
+    def _build_encoder(self, config: EngineConfig) -> None:
+        """An encoder (models/encoder.py): no KV cache, inputs run whole, each ends with its vector."""
+        from tokenmill.runner.encoder_runner import EncoderRunner
+
         mc, cc, sc = config.model, config.cache, config.scheduling
-        torch.manual_seed(mc.seed)
+        if config.parallel.tensor_parallel_size > 1 or sc.speculative_config is not None:
+            raise ValueError("an encoder model runs on one rank without speculative decoding.")
+        model = encoder.load_encoder(self.model_path).to(self.device)
+        self.arch, self.dtype = model.cfg, torch.float32
+        self.activation_bits = None  # float products in PyTorch: no integer kernels
+        self.tasks = frozenset(["classify" if model.cfg.num_labels and mc.task != "embed" else "embed"])
+        if mc.task not in ("auto", *self.tasks):
+            raise ValueError(f"{self.model_path} is an encoder{' with a classification head' if model.cfg.num_labels else ''}"
+                             f"; it serves task {sorted(self.tasks)[0]!r}, not {mc.task!r}.")
+        self.pooling = pooling.PoolingConfig.from_dir(self.model_path)
+        self.embedding_size = self.pooling.dim(model.cfg.hidden_size)
+        self.matryoshka = pooling.declares_matryoshka(self.model_path)
+        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_hf_dir(self.model_path)
+        self.max_model_len = self._max_len(mc, model.cfg.max_tokens)
+        self.grammars = None
+        self.executor.attach(EncoderRunner(model, self.pooling, self.device))
+        # no KV cache: block ids only count the seats (enough for every seat's longest input)
+        self.block_size = cc.block_size
+        self.block_manager = BlockManager(sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size), cc.block_size,
+                                          enable_prefix_caching=False)
+        self.kv_capacity_tokens = 0
+        # an input runs whole in one step: the step's budget holds at least the longest one
+        self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, max(sc.max_num_batched_tokens, self.max_model_len),
+                                                   self.max_model_len, sc.scheduling_policy, whole_prompts=True),
+                                   self.block_manager)
+        log.info("loaded %s (%s encoder, %d layers, task %s) on %s", self.model_path, model.cfg.family,
+                 model.cfg.num_layers, sorted(self.tasks)[0], self.device)
+
+    def _max_len(self, mc, limit: int) -> int:
+        max_len = int(mc.max_model_len or limit)
+        if max_len > limit:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's context of {int(limit)} tokens.")
+        return max_len
+
+    def _build_decoder(self, config: EngineConfig) -> None:
+        mc, cc, sc = config.model, config.cache, config.scheduling
         t0 = time.monotonic()
         tp_group = self.executor.group
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
@@ -92,10 +143,8 @@ class LLMEngine:
         self.activation_bits = loaded.activation_bits
         self.dtype = next(loaded.model.parameters()).dtype
 
-        limit = self.arch.context_length
-        self.max_model_len = int(mc.max_model_len or limit)
-        if self.max_model_len > limit:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context of {int(limit)} tokens.")
+        self.max_model_len = self._max_len(mc, self.arch.context_length)
+        self._decoder_tasks(mc.task)
         self.kv_dtype = kv_cache.resolve_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         spec = sc.speculative_config
         draft = None
@@ -115,7 +164,8 @@ class LLMEngine:
         self.grammars = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer.tok.to_str(), self.arch.vocab_size, sorted(self.tokenizer.eos_token_ids))
         self.executor.attach(ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype,
-                                         proposer, grammars=self.grammars))
+                                         proposer, grammars=self.grammars,
+                                         normalize_embeddings=self.pooling is not None and self.pooling.normalize))
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
@@ -126,29 +176,47 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                                    sc.scheduling_policy, window, sc.long_prefill_slowdown),
                                    self.block_manager, policy)
-        self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
-        self.output = OutputProcessor(self.tokenizer, self.scheduler)
         self.kv_capacity_tokens = num_blocks * cc.block_size
-        self._stats: StepStats | None = None   # the last step's, until `stats()` takes it
-        self._aborted: list[Request] = []      # sequences aborts ended since `stats()` was last taken
         log.info("loaded %s (%s, %d layers) on %s in %.1fs%s; KV cache %d blocks x %d = %d tokens (%.2f GiB, %s)",
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
                  " (packed weights mapped from the weight cache)" if loaded.from_cache else "",
                  num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30, str(self.kv_dtype)[6:])
 
+    def _decoder_tasks(self, task: str) -> None:
+        """A decoder generates, and embeds with last-token pooling unless its pooling config asks
+        for another (then only `task="embed"` says that is an error). No classification yet."""
+        if task == "classify":
+            raise ValueError(f"{self.model_path} is a decoder; task 'classify' needs an encoder with a "
+                             "sequence-classification head (a cross-encoder).")
+        try:
+            self.pooling = pooling.for_decoder(self.model_path)
+        except ValueError:
+            if task == "embed":
+                raise
+            self.pooling = None
+        self.tasks = frozenset({"generate": ["generate"], "embed": ["embed"]}.get(
+            task, ["generate"] + (["embed"] if self.pooling is not None else [])))
+        self.embedding_size = self.arch.hidden_size
+        self.matryoshka = pooling.declares_matryoshka(self.model_path)
+
     # ------------------------------------------------------------------ intake
-    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
                     prompt_text: str | None = None) -> None:
         """`cache_salt`: requests share cached prefix blocks only with requests of the same salt
         (vLLM's field; one per tenant keeps tenants from probing each other's prompts).
         `prompt_text`: the prompt the outputs show, where token ids are given for a text (a
-        rendered chat)."""
+        rendered chat). PoolingParams make it a pooling request: one vector, no tokens."""
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.100}.")
         if req_id in self.output:
             raise ValueError(f"request id {req_id!r} is already in use.")
+        if isinstance(params, PoolingParams):
+            self._add_pooling(req_id, prompt, params, arrival_time, priority, cache_salt, prompt_text)
+            return
+        if "generate" not in self.tasks:
+            raise ValueError(f"this model serves task {sorted(self.tasks)[0]!r}; it does not generate text.")
         text, ids = self._tokenize(prompt)
         self._check_length(len(ids), params)
         vocab = self.arch.vocab_size
@@ -165,6 +233,29 @@ class LLMEngine:
         for req in children:
             self.scheduler.add_request(req)
         self.output.add(req_id, text if prompt_text is None else prompt_text, ids, children)
+
+    def _add_pooling(self, req_id: str, prompt: str | list[int], params: PoolingParams, arrival_time: float | None,
+                     priority: int, cache_salt: str | None, prompt_text: str | None) -> None:
+        if params.task not in self.tasks:
+            raise ValueError(f"this model serves {sorted(self.tasks)}, not {params.task!r} requests.")
+        if params.dimensions is not None:
+            if not self.matryoshka:
+                raise ValueError("this model's embeddings cannot be shortened: its config declares no Matryoshka "
+                                 "dimensions; leave dimensions unset.")
+            if params.dimensions > self.embedding_size:
+                raise ValueError(f"dimensions {params.dimensions} is more than the model's {self.embedding_size}.")
+        text, ids = self._tokenize(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"the input has {len(ids)} tokens but the model's context (max_model_len) is "
+                             f"{self.max_model_len}; shorten it or ask for truncation.")
+        if params.pair_start is not None and not 0 < params.pair_start < len(ids):
+            raise ValueError(f"pair_start {params.pair_start} is not inside the input's {len(ids)} tokens.")
+        if cdiv(len(ids), self.block_size) > self.block_manager.num_blocks:
+            raise ValueError(f"this input needs {len(ids)} tokens of KV cache but the cache holds only "
+                             f"{self.kv_capacity_tokens}; raise kv_cache_memory.")
+        req = Request(req_id, ids, SamplingParams(max_tokens=1), set(), arrival_time, priority, cache_salt, params)
+        self.scheduler.add_request(req)
+        self.output.add(req_id, text if prompt_text is None else prompt_text, ids, [req])
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile (and cache) a request's structured-output constraint, or raise ValueError
@@ -244,7 +335,7 @@ class LLMEngine:
         return st
 
     # ------------------------------------------------------------------ one step
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         sched = self.scheduler.schedule()
         if not sched and not sched.finished_req_ids:
             return []

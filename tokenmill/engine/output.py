@@ -15,7 +15,7 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.detokenizer import DetokState
 from tokenmill.models.tokenizer import Tokenizer
-from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 
 
 @dataclass
@@ -48,7 +48,8 @@ class OutputProcessor:
         which the outputs show (the sequences grow copies of their own)."""
         parent = _Parent(req_id, prompt, ids, children, [], [], [0] * len(children))
         for i, req in enumerate(children):
-            parent.detoks.append(DetokState(self.tokenizer, ids, req.params) if self.tokenizer else None)
+            detok = self.tokenizer is not None and req.pooling is None  # a pooling request makes no text
+            parent.detoks.append(DetokState(self.tokenizer, ids, req.params) if detok else None)
             parent.outputs.append(CompletionOutput(index=i, text="", token_ids=[]))
             self._child_parent[req.req_id] = (parent, i)
         self._parents[req_id] = parent
@@ -111,9 +112,14 @@ class OutputProcessor:
         if all(c.is_finished for c in parent.children):
             self._parents.pop(parent.req_id, None)
 
-    def _request_output(self, parent: _Parent, changed: set[int]) -> RequestOutput:
+    def _request_output(self, parent: _Parent, changed: set[int]) -> RequestOutput | PoolingRequestOutput:
         """The caller's snapshot: each sequence's output ids sliced once from the scheduler's list
-        (this module keeps no copy of them between steps)."""
+        (this module keeps no copy of them between steps); a pooling request's vector."""
+        first = parent.children[0]
+        if first.pooling is not None:
+            return PoolingRequestOutput(parent.req_id, parent.prompt, parent.prompt_token_ids,
+                                        PoolingOutput(first.pooled or []), first.is_finished, first.metrics,
+                                        parent.error)
         ids = [req.output_token_ids for req in parent.children]
         for i in changed:
             req, out, detok = parent.children[i], parent.outputs[i], parent.detoks[i]

@@ -135,6 +135,18 @@ class Encoder(nn.Module):
         return self.head_out(torch.tanh(self.head_dense(hidden[first])))
 
 
+def is_encoder(path: str) -> bool:
+    """Whether `path` is a Hugging Face directory of an encoder this module runs."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return False
+    with open(file, encoding="utf-8") as f:
+        try:
+            return json.load(f).get("model_type") in _FAMILIES
+        except (json.JSONDecodeError, AttributeError):
+            return False  # the decoder loader says what is wrong with it
+
+
 def _hf_name(name: str) -> str | None:
     """Our parameter name for a Hugging Face encoder tensor, None for one we do not use."""
     for prefix in ("bert.", "roberta.", "model."):

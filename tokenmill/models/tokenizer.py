@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
@@ -60,6 +61,8 @@ class Tokenizer:
         self.special_tokens = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special),
                                      key=len, reverse=True)
         self._as_text: HFTokenizer | None = None  # a copy that reads special-token text as plain text
+        self._truncating: HFTokenizer | None = None  # a copy with truncation on, for `encode_input`
+        self._truncation_lock = threading.Lock()
 
     # ------------------------------------------------------------------ use
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
@@ -74,6 +77,22 @@ class Tokenizer:
                 self._as_text.encode_special_tokens = True
             tok = self._as_text
         return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_input(self, text: str, pair: str | None = None, max_tokens: int | None = None
+                     ) -> tuple[list[int], int | None]:
+        """An embedding / scoring input with the model's special tokens: one text, or a pair (a
+        cross-encoder's query and document), cut to `max_tokens` as Hugging Face truncates (the
+        longer text first, special tokens kept). Returns the ids and where the pair's second text
+        begins by token type (None: one text, or a model with one token type)."""
+        if max_tokens is None:
+            enc = self.tok.encode_batch([text if pair is None else (text, pair)])[0]
+        else:
+            with self._truncation_lock:  # truncation is a setting of the tokenizer object: a copy of our own
+                if self._truncating is None:
+                    self._truncating = HFTokenizer.from_str(self.tok.to_str())
+                self._truncating.enable_truncation(max_tokens, strategy="longest_first")
+                enc = self._truncating.encode(text, pair)
+        return enc.ids, next((i for i, t in enumerate(enc.type_ids) if t == 1), None)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                     template_kwargs: dict | None = None, split_special_tokens: bool = True,

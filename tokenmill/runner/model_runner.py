@@ -17,7 +17,8 @@ from tokenmill.core.sched_output import DraftRequest, RunnerOutput, ScheduledReq
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
 from tokenmill.models import decode_stack
 from tokenmill.models.llama import CausalLM
-from tokenmill.runner import kv_cache
+from tokenmill.pooling_params import PoolingParams
+from tokenmill.runner import kv_cache, pooler
 from tokenmill.runner.sampling import ReqState, StepSampler
 from tokenmill.utils import gather_in_huge_pages
 
@@ -26,8 +27,11 @@ log = logging.getLogger("tokenmill")
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0, grammars=None) -> None:
-        """`short_chunk_rows`: chunks of up to this many tokens after a cached context also run as
+                 dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0, grammars=None,
+                 normalize_embeddings: bool = True) -> None:
+        """`normalize_embeddings`: whether a pooling request's embedding (its last token's final
+        hidden state) is L2-normalized unless it says otherwise (the model's pooling config).
+        `short_chunk_rows`: chunks of up to this many tokens after a cached context also run as
         decode rows (through the native decode stack, not the layer-by-layer prefill path). Only
         for a model whose numbers need not equal its chunked prefill's: a draft model, whose
         catch-up on the tokens the target accepted is a short chunk every step."""
@@ -46,6 +50,9 @@ class ModelRunner:
         self.grammars = grammars  # tokenmill.structured GrammarCompiler, or None: constraints not enforced
         self._decode_rows = 0     # rows of the last forward pass when all were decode rows, else 0
         self.states: dict[str, ReqState] = {}
+        self.pooling: dict[str, PoolingParams] = {}  # the pooling requests among them
+        self.normalize_embeddings = normalize_embeddings
+        self.pooled_rows: torch.Tensor | None = None  # set by `forward`, taken by `execute`
         self.step_sampler = StepSampler(self.states, grammars, proposer)
         self.sampler = self.step_sampler.sampler
 
@@ -53,11 +60,14 @@ class ModelRunner:
     def _update_states(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
+            self.pooling.pop(req_id, None)
             if self.proposer is not None:
                 self.proposer.drop(req_id)
         for new in sched.new_requests:
             st = self.states[new.req_id] = ReqState(new.params, new.token_ids, new.prompt_len,
                                                      new.eos_token_ids)
+            if new.pooling is not None:
+                self.pooling[new.req_id] = new.pooling
             if new.params.structured_outputs is not None and self.grammars is not None:
                 # compiled (and cached) when the request was added; a recomputed request replays its output
                 st.matcher = self.grammars.matcher(new.params.structured_outputs)
@@ -74,13 +84,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[str]]:
         """Take in the step's request changes and run the model: the logits of every sampled
-        position (a request with drafts has 1 + k), and whose each row is."""
+        position (a request with drafts has 1 + k), and whose each row is. The final hidden states
+        of the pooling requests' last tokens wait in `self.pooled_rows` for `execute`."""
         self._update_states(sched)
+        self.pooled_rows = None
         if not sched.scheduled:
             return None, []
         input_ids, positions, meta, sample_idx, sample_ids = self._prepare(sched)
         with forward_context(meta):
             hidden = self.model(input_ids, positions)
+        pool_idx = _last_rows(sched)
+        if pool_idx:
+            self.pooled_rows = hidden[pool_idx]
         if not sample_ids:
             return None, []
         return self.model.compute_logits(hidden[sample_idx]), sample_ids
@@ -91,6 +106,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         logits, sample_ids = self.forward(sched)
         out.timing = StepTiming(time.perf_counter() - t0, self._decode_rows, sum(s.num_drafts for s in sched.scheduled))
+        if self.pooled_rows is not None:  # last-token pooling
+            ids = [s.req_id for s in sched.scheduled if s.pool]
+            out.pooled = dict(zip(ids, pooler.embeddings(self.pooled_rows, [self.pooling[i] for i in ids],
+                                                         self.normalize_embeddings)))
+            self.pooled_rows = None
         if logits is None:
             return out
         entries = self.step_sampler.sample(sched, logits, sample_ids, out)
@@ -186,3 +206,13 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_idx, dtype=torch.long, device=dev), sample_ids)
+
+
+def _last_rows(sched: SchedulerOutput) -> list[int]:
+    """Rows of the flat batch holding each pooled request's last prompt token."""
+    rows, end = [], 0
+    for s in sched.scheduled:
+        end += len(s.token_ids)
+        if s.pool:
+            rows.append(end - 1)
+    return rows

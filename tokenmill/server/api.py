@@ -1,5 +1,5 @@
-"""FastAPI application: OpenAI's routes (completions, chat, Responses) and Anthropic's Messages
-over an EngineClient.
+"""FastAPI application: OpenAI's routes (completions, chat, Responses, embeddings), Anthropic's
+Messages, and rerank / score (pooling_api.py) over an EngineClient.
 
 Every request is validated before it reaches the engine; every failure becomes an error body with
 the right status (errors.py; Anthropic's shape on its paths); a client that goes away aborts its
@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tokenmill.server import anthropic as A
-from tokenmill.server import chat
+from tokenmill.server import chat, pooling_api
 from tokenmill.server import protocol as P
 from tokenmill.server import responses_api as RA
 from tokenmill.server.config import ServerConfig
@@ -110,6 +110,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
         if any(t < 0 or t >= vocab for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
+
+    pooling_api.add_routes(app, client, check_model, off_loop, model_name)  # embeddings, rerank, score
 
     # ------------------------------------------------------------ completions
     @app.post("/v1/completions")

@@ -76,8 +76,8 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
 
     cpu = ""
     if engine.device.type == "cpu":
-        cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations)" if kernels.isa() else \
-            ", CPU kernels PyTorch"
+        cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations)" \
+            if kernels.isa() and engine.activation_bits else ", CPU kernels PyTorch"
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """Response pieces shared by whole and streamed answers: usage, timings, logprobs."""
 from __future__ import annotations
 
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.server import protocol as P
 
 
@@ -20,12 +20,13 @@ class Usage:
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=self.cached))
 
 
-def timings(out: RequestOutput) -> P.Timings | None:
+def timings(out: RequestOutput | PoolingRequestOutput) -> P.Timings | None:
+    """Why was this request slow; a pooling request's ttft is when its vector was ready."""
     m = out.metrics
     if m is None:
         return None
     end = m.finished_time or m.last_token_time
-    ntok = max(len(o.token_ids) for o in out.outputs)
+    ntok = max(len(o.token_ids) for o in out.outputs) if isinstance(out, RequestOutput) else 0
     decode = None
     if m.first_token_time is not None and end is not None and end > m.first_token_time and ntok > 1:
         decode = (ntok - 1) / (end - m.first_token_time)
