@@ -152,6 +152,42 @@ def test_decoder_embeddings_are_the_last_tokens_final_hidden_state(decoder_embed
         llm.generate([[1, 2]])
 
 
+@pytest.fixture(scope="module")
+def bert_gguf(tmp_path_factory):
+    """A tiny random BERT as a sentence-transformers directory and as llama.cpp's converter writes
+    it to GGUF (benchmarks/make_bert.py: the same weights), F32 and F16."""
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
+    import make_bert
+
+    path = tmp_path_factory.mktemp("bert-gguf")
+    tokens = make_bert.vocabulary(2000)
+    make_bert.save_hf(str(path / "hf"), make_bert.SHAPES["tiny"], tokens)
+    for kind in ("F32", "F16"):
+        make_bert.write_gguf(str(path / "hf"), str(path / f"model-{kind}.gguf"), kind)
+    ws = make_bert.words(tokens)
+    texts = [" ".join(ws[i:i + 7]) + f", {ws[i + 9].upper()}!" for i in range(0, 60, 7)] + ["qqqqqqqqqqqqqqqq (xyz)"]
+    return path, texts
+
+
+def test_a_gguf_bert_embeds_as_its_sentence_transformers_twin(bert_gguf):
+    """llama.cpp's `bert` layout: WordPiece rebuilt from the phantom-space vocabulary (same ids as
+    the Hugging Face tokenizer), CLS pooling from the metadata, normalized."""
+    from sentence_transformers import SentenceTransformer
+
+    path, texts = bert_gguf
+    ref = SentenceTransformer(str(path / "hf"), device="cpu")
+    want = torch.tensor(ref.encode(texts))
+    for kind, floor in (("F32", 0.99999), ("F16", 0.999)):
+        llm = LLM(str(path / f"model-{kind}.gguf"))
+        outs = llm.embed(texts, use_tqdm=False)
+        assert [o.prompt_token_ids for o in outs] == [ref.tokenizer(t)["input_ids"] for t in texts]
+        got = torch.tensor([o.outputs.embedding for o in outs])
+        assert torch.nn.functional.cosine_similarity(got, want).min() > floor
+
+
 def _close(got: list[float], want: torch.Tensor) -> None:
     """Equal up to the kernels' summation order: cosine 0.9999 (the issue's bar) and 1e-3 apart."""
     got = torch.tensor(got)

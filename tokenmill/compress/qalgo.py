@@ -272,23 +272,34 @@ def awq_scales(w: torch.Tensor, xtx: torch.Tensor, x_mag: torch.Tensor, rows: in
 
 def awq_clip(w: torch.Tensor, xtx: torch.Tensor, bits: int, group_size: int, steps: int = 20,
              max_shrink: float = 0.5) -> torch.Tensor:
-    """Per (row, group) range shrink factor in [1 - max_shrink, 1] minimising that group's share
-    of the output error, tr(dW_g H_gg dW_g^T) with H_gg the group's diagonal block of X^T X; factor
-    1 (no clipping) is a candidate. All groups of a width at once (a batched product). Returns (N, G)."""
+    """Per (row, group) range shrink factor in [1 - max_shrink, 1] minimising the row's output
+    error tr(dW H dW^T) when that group alone changes from plain rounding: its own block
+    d_g H_gg d_g^T plus twice its cross term with the other groups' rounding errors. Clipping
+    errors are not zero-mean like rounding errors: on inputs with a large mean (massive
+    activations) a group-alone objective let them add up across groups. Then, per row, the
+    clipped row is kept only where its whole error is below plain rounding's. Factor 1 (no
+    clipping) is a candidate. All groups of a width at once (a batched product). Returns (N, G)."""
     w = w.float()
     n, k = w.shape
     best = torch.ones(n, len(group_bounds(k, group_size)))
+    e0 = fake_quant(w, bits, group_size).sub_(w).to(xtx.dtype)              # rounding errors (N, K)
+    e0h = e0 @ xtx                                                            # (N, K)
     for s, e, width, groups in _even_runs(k, group_size):
         gcount = (e - s) // width
         hb = torch.stack([xtx[s + g * width:s + (g + 1) * width, s + g * width:s + (g + 1) * width]
                           for g in range(gcount)])                                   # (G, gs, gs)
+        own = e0[:, s:e].reshape(n, gcount, width).transpose(0, 1)                   # (G, N, gs)
+        cross = e0h[:, s:e].reshape(n, gcount, width).transpose(0, 1) - torch.bmm(own, hb)  # the others' share
         wg = w[:, s:e]
         best_err = torch.full((n, gcount), float("inf"))
         for i in range(steps):
             f = torch.full((n, gcount), 1.0 - max_shrink * i / steps)
             d = fake_quant(wg, bits, width, f).sub_(wg).reshape(n, gcount, width).transpose(0, 1).to(hb.dtype)
-            err = torch.bmm(d, hb).mul_(d).sum(-1, dtype=torch.float32).t()              # (N, G)
+            err = (torch.bmm(d, hb).add_(cross, alpha=2)).mul_(d).sum(-1, dtype=torch.float32).t()   # (N, G)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
             best[:, groups] = torch.where(better, f, best[:, groups])
+    clipped = fake_quant(w, bits, group_size, best).sub_(w).to(xtx.dtype)
+    worse = (clipped @ xtx).mul_(clipped).sum(-1, dtype=torch.float32) >= e0h.mul(e0).sum(-1, dtype=torch.float32)
+    best[worse] = 1.0
     return best

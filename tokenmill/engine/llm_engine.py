@@ -38,8 +38,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.speculation import DraftPolicy
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.threads import ThreadGovernor, default_threads
-from tokenmill.models import encoder, loader, pooling
-from tokenmill.models.tokenizer import Tokenizer
+from tokenmill.models import encoder, encoder_loader, loader, pooling
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.runner import kv_cache
@@ -98,17 +97,16 @@ class LLMEngine:
         mc, cc, sc = config.model, config.cache, config.scheduling
         if config.parallel.tensor_parallel_size > 1 or sc.speculative_config is not None:
             raise ValueError("an encoder model runs on one rank without speculative decoding.")
-        model = encoder.load_encoder(self.model_path).to(self.device)
+        loaded = encoder_loader.load(self.model_path, load_tokenizer=not mc.skip_tokenizer_init)
+        model = loaded.model.to(self.device)
         self.arch, self.dtype = model.cfg, torch.float32
         self.activation_bits = None  # float products in PyTorch: no integer kernels
         self.tasks = frozenset(["classify" if model.cfg.num_labels and mc.task != "embed" else "embed"])
         if mc.task not in ("auto", *self.tasks):
             raise ValueError(f"{self.model_path} is an encoder{' with a classification head' if model.cfg.num_labels else ''}"
                              f"; it serves task {sorted(self.tasks)[0]!r}, not {mc.task!r}.")
-        self.pooling = pooling.PoolingConfig.from_dir(self.model_path)
+        self.pooling, self.tokenizer, self.matryoshka = loaded.pooling, loaded.tokenizer, loaded.matryoshka
         self.embedding_size = self.pooling.dim(model.cfg.hidden_size)
-        self.matryoshka = pooling.declares_matryoshka(self.model_path)
-        self.tokenizer = None if mc.skip_tokenizer_init else Tokenizer.from_hf_dir(self.model_path)
         self.max_model_len = self._max_len(mc, model.cfg.max_tokens)
         self.grammars = None
         self.executor.attach(EncoderRunner(model, self.pooling, self.device))

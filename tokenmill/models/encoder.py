@@ -135,8 +135,17 @@ class Encoder(nn.Module):
         return self.head_out(torch.tanh(self.head_dense(hidden[first])))
 
 
+# llama.cpp's encoder architectures: `bert` runs (models/encoder_gguf.py), the others are refused by name
+GGUF_ENCODERS = ("bert", "nomic-bert", "nomic-bert-moe", "jina-bert-v2", "jina-bert-v3", "modern-bert", "neo-bert")
+
+
 def is_encoder(path: str) -> bool:
-    """Whether `path` is a Hugging Face directory of an encoder this module runs."""
+    """Whether `path` is an encoder: a Hugging Face directory of one this module runs, or a GGUF
+    file of one of llama.cpp's encoder architectures."""
+    if os.path.isfile(path):
+        from tokenmill.models.gguf_header import architecture
+
+        return architecture(path) in GGUF_ENCODERS
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
         return False

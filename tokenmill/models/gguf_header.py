@@ -150,3 +150,26 @@ def read_header(path: str) -> tuple[int, dict, list[TensorInfo]]:
         if t.data_offset + t.n_bytes > size:
             raise ValueError(f"tensor {t.name} ends past the end of the file (truncated?)")
     return version, meta, infos
+
+
+def architecture(path: str) -> str | None:
+    """`general.architecture` of a GGUF file, read without parsing the rest of the header (it is
+    written first); None if the file is not a GGUF or names none before its vocabulary."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                c = _Cursor(buf, size)
+                if size < 24 or bytes(buf[:4]) != b"GGUF":
+                    return None
+                c.take(8)
+                _, n_kv = c.scalar("<Q"), c.scalar("<Q")
+                for _ in range(min(n_kv, 8)):
+                    key = c.string()
+                    kind = c.scalar("<I")
+                    if key == "general.architecture" and kind == STRING:
+                        return c.string()
+                    c.value(kind)
+    except (OSError, ValueError, struct.error):
+        return None
+    return None

@@ -10,7 +10,8 @@ import json
 import os
 import threading
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 
 from tokenmill.models import chat_template
 
@@ -200,9 +201,11 @@ class Tokenizer:
         elif kind == "llama":
             tok = _sentencepiece_bpe(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), types)
             add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True))
+        elif kind == "bert":
+            return cls(_wordpiece(tokens, types, meta), None, None, set(), None)
         else:
             raise ValueError(f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), "
-                             "'llama' (SentencePiece BPE).")
+                             "'llama' (SentencePiece BPE), 'bert' (WordPiece).")
         spelled = set(_bytes_to_unicode().values()) if kind == "gpt2" else None
         tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
                                 if ty == _CONTROL and (spelled is None or set(t) <= spelled)])
@@ -221,6 +224,40 @@ class Tokenizer:
         eos_ids = {meta[f"tokenizer.ggml.{k}"] for k in ("eos_token_id", "eot_token_id", "eom_token_id")
                    if meta.get(f"tokenizer.ggml.{k}") is not None}
         return cls(tok, bos, eos, eos_ids, meta.get("tokenizer.chat_template"))
+
+
+def _wordpiece(tokens: list[str], types: list[int], meta: dict) -> HFTokenizer:
+    """BERT's WordPiece from llama.cpp's spelling of it: a word's first piece carries a leading
+    "▁", a continuation piece none (BERT's "##" prefix), control tokens ("[CLS]") as they are.
+    Lower-cased and accents stripped where the file says so (llama.cpp's normalizer keys), split on
+    whitespace and punctuation, [CLS] text [SEP] (text [SEP] after it for a pair's second text)."""
+    vocab: dict[str, int] = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        piece = t if ty == _CONTROL else t[1:] if t.startswith("\u2581") else f"##{t}"
+        vocab.setdefault(piece, i)
+
+    def special(key: str, default: str, alias: str | None = None) -> tuple[str, int]:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        if (i is None or not 0 <= i < len(tokens)) and alias is not None:
+            i = meta.get(f"tokenizer.ggml.{alias}")
+        if i is None or not 0 <= i < len(tokens):
+            i = vocab.get(default)
+        if i is None:
+            raise ValueError(f"the GGUF WordPiece vocabulary has no {default} token (tokenizer.ggml.{key}).")
+        return tokens[i], i
+
+    unk = special("unknown_token_id", "[UNK]")[0]
+    tok = HFTokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    lower = bool(meta.get("tokenizer.ggml.normalizer.lowercase", False))
+    tok.normalizer = normalizers.BertNormalizer(
+        lowercase=lower, strip_accents=bool(meta.get("tokenizer.ggml.normalizer.strip_accents", lower)))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.BertProcessing(special("seperator_token_id", "[SEP]"),
+                                                   special("cls_token_id", "[CLS]", alias="bos_token_id"))
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
+                            if ty == _CONTROL])
+    return tok
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> HFTokenizer:
