@@ -102,8 +102,8 @@ def gguf_name(hf: str) -> str | None:
 
 
 def write_gguf(hf_dir: str, out: str, float_type: str = "F16") -> None:
-    """The HF directory's BERT as llama.cpp's converter writes it (matrices in `float_type`,
-    vectors in F32)."""
+    """The HF directory's BERT as llama.cpp's converter writes it (matrices in `float_type`;
+    vectors and the token-type table in F32)."""
     import json
 
     import gguf
@@ -139,7 +139,8 @@ def write_gguf(hf_dir: str, out: str, float_type: str = "F16") -> None:
         name = gguf_name(hf)
         if name is None:
             continue
-        if t.ndim == 2 and float_type == "F16":
+        # token types are added to the embeddings as a row, not looked up: F32, as the converter keeps them
+        if t.ndim == 2 and float_type == "F16" and name != "token_types.weight":
             w.add_tensor(name, t.astype(np.float16))
         else:
             w.add_tensor(name, t.astype(np.float32))

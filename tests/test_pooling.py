@@ -91,6 +91,19 @@ def test_encoder_embeddings_equal_sentence_transformers(embedder):
     torch.testing.assert_close(torch.tensor(alone), got[1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("options", [dict(quantization="int8"), dict(quantization="int8", activation_bits=8),
+                                     dict(dtype="bfloat16")])
+def test_encoders_run_on_the_integer_kernels_and_in_bfloat16(embedder, options):
+    """The decoders' options: int8 weights (round-to-nearest at load) on the integer kernels, or
+    bfloat16; close to float32, not equal."""
+    path, ref = embedder
+    llm = LLM(path, task="embed", **options)
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(TEXTS, use_tqdm=False)])
+    want = torch.tensor(ref.encode(TEXTS, convert_to_numpy=True))
+    assert torch.nn.functional.cosine_similarity(got, want).min() > 0.99
+    assert llm.engine.activation_bits == (options.get("activation_bits", 16) if "quantization" in options else None)
+
+
 def test_cross_encoder_scores_equal_sentence_transformers(cross_encoder):
     from sentence_transformers import CrossEncoder
 

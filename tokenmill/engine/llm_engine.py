@@ -97,10 +97,10 @@ class LLMEngine:
         mc, cc, sc = config.model, config.cache, config.scheduling
         if config.parallel.tensor_parallel_size > 1 or sc.speculative_config is not None:
             raise ValueError("an encoder model runs on one rank without speculative decoding.")
-        loaded = encoder_loader.load(self.model_path, load_tokenizer=not mc.skip_tokenizer_init)
-        model = loaded.model.to(self.device)
-        self.arch, self.dtype = model.cfg, torch.float32
-        self.activation_bits = None  # float products in PyTorch: no integer kernels
+        loaded = encoder_loader.load(self.model_path, not mc.skip_tokenizer_init, mc.dtype, mc.quantization,
+                                     mc.quantization_group_size, mc.activation_bits, self.device)
+        model = loaded.model
+        self.arch, self.dtype, self.activation_bits = model.cfg, next(model.parameters()).dtype, loaded.activation_bits
         self.tasks = frozenset(["classify" if model.cfg.num_labels and mc.task != "embed" else "embed"])
         if mc.task not in ("auto", *self.tasks):
             raise ValueError(f"{self.model_path} is an encoder{' with a classification head' if model.cfg.num_labels else ''}"
@@ -119,8 +119,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, max(sc.max_num_batched_tokens, self.max_model_len),
                                                    self.max_model_len, sc.scheduling_policy, whole_prompts=True),
                                    self.block_manager)
-        log.info("loaded %s (%s encoder, %d layers, task %s) on %s", self.model_path, model.cfg.family,
-                 model.cfg.num_layers, sorted(self.tasks)[0], self.device)
+        log.info("loaded %s (%s encoder, %d layers, task %s) on %s, %s%s", self.model_path, model.cfg.family,
+                 model.cfg.num_layers, sorted(self.tasks)[0], self.device, str(self.dtype)[6:],
+                 f", {mc.quantization} weights" if self.activation_bits else "")
 
     def _max_len(self, mc, limit: int) -> int:
         max_len = int(mc.max_model_len or limit)

@@ -86,15 +86,24 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)   # (T, H, D) each
-        outs, start = [], 0
-        for n in lengths:  # each input attends over itself only, both directions
-            s = slice(start, start + n)
-            outs.append(F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1),
-                                                       v[s].transpose(0, 1)).transpose(0, 1))
-            start += n
-        a = torch.cat(outs).reshape(x.shape)
+        a = torch.empty_like(q)
+        for idx, n in _same_length_runs(lengths, x.device):
+            # the inputs of one length as a batch (B, H, n, D), each attending over itself only, both
+            # directions; with a batch dimension SDPA takes its fused CPU kernel
+            b = [t[idx].view(-1, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)]
+            a[idx] = F.scaled_dot_product_attention(*b).transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        a = a.view(x.shape)
         x = self.attn_norm(x + self.attn_out(a))
         return self.out_norm(x + self.down(self.act(self.up(x))))
+
+
+def _same_length_runs(lengths: list[int], device: torch.device) -> list[tuple[torch.Tensor, int]]:
+    """(token indices, length) of each group of inputs of one length, inputs back to back."""
+    starts, at = {}, 0
+    for n in lengths:
+        starts.setdefault(n, []).append(at)
+        at += n
+    return [(torch.tensor([s + i for s in group for i in range(n)], device=device), n) for n, group in starts.items()]
 
 
 class Encoder(nn.Module):

@@ -9,12 +9,14 @@ as vLLM scores with an embedding model.
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import time
 import uuid
 from typing import Literal
 
 from fastapi import FastAPI, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.pooling_params import PoolingParams
@@ -129,9 +131,11 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
                 for i, o in enumerate(outs)]
         tokens = sum(len(o.prompt_token_ids) for o in outs)
         first = timings(outs[0])
-        return {"id": rid, "object": "list", "created": int(time.time()), "model": req.model or model_name,
+        body = {"id": rid, "object": "list", "created": int(time.time()), "model": req.model or model_name,
                 "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "timings": first.model_dump() if first else None}
+        # serialized once here: FastAPI's encoder would first walk every float of every vector
+        return Response(json.dumps(body), media_type="application/json")
 
     async def rerank(req: RerankRequest, raw: Request):
         check_model(req.model)
