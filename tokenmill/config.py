@@ -61,8 +61,18 @@ class ModelConfig:
         "auto | generate | embed | classify: what the model serves. auto: an encoder (BERT family) embeds, or "
         "classifies if it has a sequence-classification head (a cross-encoder reranker); a decoder generates and "
         "also embeds (last-token pooling). embed: a decoder embedder (Qwen3-Embedding style), no generation"))
+    classifier_from_token: str | None = field(default=None, metadata=_help(
+        "two tokens 'no,yes' (text or ids): a decoder reranker (Qwen3-Reranker) that answers yes or no "
+        "serves task classify: a pair's relevance is the probability of the second token against the first "
+        "after its last token (vLLM's classifier_from_token)"))
 
     def __post_init__(self) -> None:
+        tokens = self.classifier_from_token
+        if isinstance(tokens, (list, tuple)):
+            object.__setattr__(self, "classifier_from_token", tokens := ",".join(map(str, tokens)))
+        if tokens is not None and (not isinstance(tokens, str) or len(tokens.split(",")) != 2
+                                   or not all(t.strip() for t in tokens.split(","))):
+            raise ValueError(f"classifier_from_token must name two tokens, 'no,yes', got {tokens!r:.80}.")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)}, got {self.task!r}.")
         if not isinstance(self.weight_cache, str) or not self.weight_cache.strip():

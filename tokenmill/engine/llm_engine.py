@@ -38,7 +38,8 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.speculation import DraftPolicy
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.threads import ThreadGovernor, default_threads
-from tokenmill.models import encoder, encoder_loader, loader, pooling
+from tokenmill.engine import tasks
+from tokenmill.models import encoder, encoder_loader, loader
 from tokenmill.outputs import PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.runner import kv_cache
@@ -101,15 +102,12 @@ class LLMEngine:
                                      mc.quantization_group_size, mc.activation_bits, self.device)
         model = loaded.model
         self.arch, self.dtype, self.activation_bits = model.cfg, next(model.parameters()).dtype, loaded.activation_bits
-        self.tasks = frozenset(["classify" if model.cfg.num_labels and mc.task != "embed" else "embed"])
-        if mc.task not in ("auto", *self.tasks):
-            raise ValueError(f"{self.model_path} is an encoder{' with a classification head' if model.cfg.num_labels else ''}"
-                             f"; it serves task {sorted(self.tasks)[0]!r}, not {mc.task!r}.")
-        self.pooling, self.tokenizer, self.matryoshka = loaded.pooling, loaded.tokenizer, loaded.matryoshka
-        self.embedding_size = self.pooling.dim(model.cfg.hidden_size)
+        self.serves = tasks.for_encoder(self.model_path, mc.task, model.cfg.num_labels, loaded.pooling,
+                                        model.cfg.hidden_size, loaded.matryoshka)
+        self.tokenizer = loaded.tokenizer
         self.max_model_len = self._max_len(mc, model.cfg.max_tokens)
         self.grammars = None
-        self.executor.attach(EncoderRunner(model, self.pooling, self.device))
+        self.executor.attach(EncoderRunner(model, loaded.pooling, self.device))
         # no KV cache: block ids only count the seats (enough for every seat's longest input)
         self.block_size = cc.block_size
         self.block_manager = BlockManager(sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size), cc.block_size,
@@ -120,7 +118,7 @@ class LLMEngine:
                                                    self.max_model_len, sc.scheduling_policy, whole_prompts=True),
                                    self.block_manager)
         log.info("loaded %s (%s encoder, %d layers, task %s) on %s, %s%s", self.model_path, model.cfg.family,
-                 model.cfg.num_layers, sorted(self.tasks)[0], self.device, str(self.dtype)[6:],
+                 model.cfg.num_layers, sorted(self.serves.tasks)[0], self.device, str(self.dtype)[6:],
                  f", {mc.quantization} weights" if self.activation_bits else "")
 
     def _max_len(self, mc, limit: int) -> int:
@@ -143,7 +141,9 @@ class LLMEngine:
         self.dtype = next(loaded.model.parameters()).dtype
 
         self.max_model_len = self._max_len(mc, self.arch.context_length)
-        self._decoder_tasks(mc.task)
+        no_yes = None if mc.classifier_from_token is None else tuple(
+            tasks.token_id(self.tokenizer, self.arch.vocab_size, t.strip()) for t in mc.classifier_from_token.split(","))
+        self.serves = tasks.for_decoder(self.model_path, mc.task, self.arch.hidden_size, no_yes)
         self.kv_dtype = kv_cache.resolve_dtype(cc.kv_cache_dtype, self.dtype, self.device)
         spec = sc.speculative_config
         draft = None
@@ -162,9 +162,11 @@ class LLMEngine:
         # structured outputs need the tokenizer's vocabulary (a tokenizer-less engine refuses them)
         self.grammars = None if self.tokenizer is None else GrammarCompiler(
             self.tokenizer.tok.to_str(), self.arch.vocab_size, sorted(self.tokenizer.eos_token_ids))
+        pooled = self.serves.pooling
         self.executor.attach(ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype,
                                          proposer, grammars=self.grammars,
-                                         normalize_embeddings=self.pooling is not None and self.pooling.normalize))
+                                         normalize_embeddings=pooled is not None and pooled.normalize,
+                                         classifier_tokens=self.serves.classifier_tokens))
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
@@ -180,23 +182,6 @@ class LLMEngine:
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
                  " (packed weights mapped from the weight cache)" if loaded.from_cache else "",
                  num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30, str(self.kv_dtype)[6:])
-
-    def _decoder_tasks(self, task: str) -> None:
-        """A decoder generates, and embeds with last-token pooling unless its pooling config asks
-        for another (then only `task="embed"` says that is an error). No classification yet."""
-        if task == "classify":
-            raise ValueError(f"{self.model_path} is a decoder; task 'classify' needs an encoder with a "
-                             "sequence-classification head (a cross-encoder).")
-        try:
-            self.pooling = pooling.for_decoder(self.model_path)
-        except ValueError:
-            if task == "embed":
-                raise
-            self.pooling = None
-        self.tasks = frozenset({"generate": ["generate"], "embed": ["embed"]}.get(
-            task, ["generate"] + (["embed"] if self.pooling is not None else [])))
-        self.embedding_size = self.arch.hidden_size
-        self.matryoshka = pooling.declares_matryoshka(self.model_path)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
@@ -215,7 +200,7 @@ class LLMEngine:
             self._add_pooling(req_id, prompt, params, arrival_time, priority, cache_salt, prompt_text)
             return
         if "generate" not in self.tasks:
-            raise ValueError(f"this model serves task {sorted(self.tasks)[0]!r}; it does not generate text.")
+            raise ValueError(f"this model serves {sorted(self.tasks)}; it does not generate text.")
         text, ids = self._tokenize(prompt)
         self._check_length(len(ids), params)
         vocab = self.arch.vocab_size
@@ -235,20 +220,8 @@ class LLMEngine:
 
     def _add_pooling(self, req_id: str, prompt: str | list[int], params: PoolingParams, arrival_time: float | None,
                      priority: int, cache_salt: str | None, prompt_text: str | None) -> None:
-        if params.task not in self.tasks:
-            raise ValueError(f"this model serves {sorted(self.tasks)}, not {params.task!r} requests.")
-        if params.dimensions is not None:
-            if not self.matryoshka:
-                raise ValueError("this model's embeddings cannot be shortened: its config declares no Matryoshka "
-                                 "dimensions; leave dimensions unset.")
-            if params.dimensions > self.embedding_size:
-                raise ValueError(f"dimensions {params.dimensions} is more than the model's {self.embedding_size}.")
         text, ids = self._tokenize(prompt)
-        if len(ids) > self.max_model_len:
-            raise ValueError(f"the input has {len(ids)} tokens but the model's context (max_model_len) is "
-                             f"{self.max_model_len}; shorten it or ask for truncation.")
-        if params.pair_start is not None and not 0 < params.pair_start < len(ids):
-            raise ValueError(f"pair_start {params.pair_start} is not inside the input's {len(ids)} tokens.")
+        self.serves.check(params, len(ids), self.max_model_len)
         if cdiv(len(ids), self.block_size) > self.block_manager.num_blocks:
             raise ValueError(f"this input needs {len(ids)} tokens of KV cache but the cache holds only "
                              f"{self.kv_capacity_tokens}; raise kv_cache_memory.")
@@ -358,6 +331,11 @@ class LLMEngine:
 
     def _execute(self, sched):
         return self.executor.execute(sched)
+
+    @property
+    def tasks(self) -> frozenset[str]:
+        """What the model serves: generate, embed, classify (engine/tasks.py)."""
+        return self.serves.tasks
 
     @property
     def runner(self) -> ModelRunner:

@@ -42,16 +42,10 @@ class EncoderRunner:
         lengths = [len(e.token_ids) for e in entries]
         ids = torch.tensor([t for e in entries for t in e.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, lengths, self._token_types(params, lengths))
-        embed = [i for i, p in enumerate(params) if p.task == "embed"]
-        if embed:
-            vectors = self.pooling(hidden, lengths)
-            out.pooled.update(zip([entries[i].req_id for i in embed],
-                                  pooler.embeddings(vectors[embed], [params[i] for i in embed],
-                                                    self.pooling.normalize)))
-        classify = [i for i, p in enumerate(params) if p.task == "classify"]
-        if classify:
-            probs = pooler.probabilities(self.model.classify(hidden, lengths)[classify])
-            out.pooled.update(zip([entries[i].req_id for i in classify], probs))
+        ids = [e.req_id for e in entries]
+        vectors = self.pooling(hidden, lengths) if any(p.task == "embed" for p in params) else None
+        logits = self.model.classify(hidden, lengths) if any(p.task == "classify" for p in params) else None
+        pooler.finish(out, ids, params, vectors, logits, self.pooling.normalize)
         out.timing = StepTiming(time.perf_counter() - t0, 0)
         return out
 

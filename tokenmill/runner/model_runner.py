@@ -28,9 +28,11 @@ log = logging.getLogger("tokenmill")
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0, grammars=None,
-                 normalize_embeddings: bool = True) -> None:
+                 normalize_embeddings: bool = True, classifier_tokens: tuple[int, int] | None = None) -> None:
         """`normalize_embeddings`: whether a pooling request's embedding (its last token's final
         hidden state) is L2-normalized unless it says otherwise (the model's pooling config).
+        `classifier_tokens`: (no, yes) token ids of a decoder reranker (Qwen3-Reranker): a classify
+        request's relevance is the probability of yes against no at its last token.
         `short_chunk_rows`: chunks of up to this many tokens after a cached context also run as
         decode rows (through the native decode stack, not the layer-by-layer prefill path). Only
         for a model whose numbers need not equal its chunked prefill's: a draft model, whose
@@ -52,6 +54,7 @@ class ModelRunner:
         self.states: dict[str, ReqState] = {}
         self.pooling: dict[str, PoolingParams] = {}  # the pooling requests among them
         self.normalize_embeddings = normalize_embeddings
+        self.classifier_tokens = classifier_tokens
         self.pooled_rows: torch.Tensor | None = None  # set by `forward`, taken by `execute`
         self.step_sampler = StepSampler(self.states, grammars, proposer)
         self.sampler = self.step_sampler.sampler
@@ -108,8 +111,13 @@ class ModelRunner:
         out.timing = StepTiming(time.perf_counter() - t0, self._decode_rows, sum(s.num_drafts for s in sched.scheduled))
         if self.pooled_rows is not None:  # last-token pooling
             ids = [s.req_id for s in sched.scheduled if s.pool]
-            out.pooled = dict(zip(ids, pooler.embeddings(self.pooled_rows, [self.pooling[i] for i in ids],
-                                                         self.normalize_embeddings)))
+            params = [self.pooling[i] for i in ids]
+            logits = None
+            if any(p.task == "classify" for p in params):  # a decoder reranker: its two tokens' logits
+                no, yes = self.classifier_tokens
+                both = self.model.compute_logits(self.pooled_rows)[:, [no, yes]]
+                logits = both[:, 1:] - both[:, :1]  # sigmoid(yes - no) = softmax over the two
+            pooler.finish(out, ids, params, self.pooled_rows, logits, self.normalize_embeddings)
             self.pooled_rows = None
         if logits is None:
             return out
