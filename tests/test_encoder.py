@@ -22,7 +22,7 @@ KINDS = {
     "xlm-roberta-head": (tf.XLMRobertaConfig, tf.XLMRobertaForSequenceClassification,
                          {"pad_token_id": 1, "type_vocab_size": 1, "num_labels": 1}),
 }
-INPUTS = [[5, 17, 33, 2, 90, 11, 4], [7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
+INPUTS = [[5, 17, 33, 2, 90, 11, 4], [7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [9, 8, 7, 6, 5, 4, 3]]  # two of one length
 
 
 def _save(kind: str, path, seed: int = 0):

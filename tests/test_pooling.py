@@ -302,7 +302,8 @@ def test_embeddings_route_with_the_openai_client(embed_server, st_bert):
 @pytest.mark.parametrize("body, param", [
     ({"input": ""}, "input"), ({"input": []}, "input"), ({"input": "dog", "dimensions": 8}, None),
     ({"input": "dog", "encoding_format": "hex"}, None), ({"input": "dog", "truncate_prompt_tokens": 0}, None),
-    ({"input": [[1, 10**6]]}, None), ({"input": "dog", "nonsense": 1}, None),
+    ({"input": [[1, 10**6]]}, None), ({"input": [-14265871, 3]}, None), ({"input": "dog", "nonsense": 1}, None),
+    ({"input": "dog", "dimensions": -2006576}, "dimensions"), ({"input": "dog", "dimensions": 0}, "dimensions"),
     ({"input": "the cat " * 40}, None),
 ])
 def test_bad_embedding_requests_are_400s_and_the_server_serves_on(embed_server, body, param):

@@ -84,21 +84,30 @@ class EncoderLayer(nn.Module):
         self.out_norm = nn.LayerNorm(h, eps=cfg.eps)
         self.act = _ACTS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, runs: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
+        """`runs`: the inputs of each length (`_same_length_runs`)."""
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)   # (T, H, D) each
         a = torch.empty_like(q)
-        for idx, n in _same_length_runs(lengths, x.device):
+        for idx, n in runs:
             # the inputs of one length as a batch (B, H, n, D), each attending over itself only, both
             # directions; with a batch dimension SDPA takes its fused CPU kernel
-            b = [t[idx].view(-1, n, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v)]
-            a[idx] = F.scaled_dot_product_attention(*b).transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-        a = a.view(x.shape)
+            b = [(t if idx is None else t[idx]).view(-1, n, self.num_heads, self.head_dim).transpose(1, 2)
+                 for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*b).transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+            if idx is None:
+                a = out
+            else:
+                a[idx] = out
+        a = a.reshape(x.shape)
         x = self.attn_norm(x + self.attn_out(a))
         return self.out_norm(x + self.down(self.act(self.up(x))))
 
 
-def _same_length_runs(lengths: list[int], device: torch.device) -> list[tuple[torch.Tensor, int]]:
-    """(token indices, length) of each group of inputs of one length, inputs back to back."""
+def _same_length_runs(lengths: list[int], device: torch.device) -> list[tuple[torch.Tensor | None, int]]:
+    """(token indices, length) of each group of inputs of one length, inputs back to back; None
+    for the indices when every input has that length (the whole batch, in order)."""
+    if len(set(lengths)) == 1:
+        return [(None, lengths[0])]
     starts, at = {}, 0
     for n in lengths:
         starts.setdefault(n, []).append(at)
@@ -132,8 +141,9 @@ class Encoder(nn.Module):
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         x = self.word(input_ids) + self.position(self.positions(lengths).to(input_ids.device)) + self.token_type(types)
         x = self.embed_norm(x)
+        runs = _same_length_runs(lengths, x.device)
         for layer in self.layers:
-            x = layer(x, lengths)
+            x = layer(x, runs)
         return x
 
     def classify(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:

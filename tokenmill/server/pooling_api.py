@@ -33,7 +33,7 @@ class EmbeddingRequest(BaseModel):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None  # accepted, no effect (OpenAI's abuse-monitoring tag)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM: -1 cuts to the context
     normalize: bool | None = None
@@ -122,7 +122,10 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
         check_model(req.model)
         need("embed", "/v1/embeddings")
         texts = _inputs(req.input)
-        params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)  # ValueError: 400
+        try:
+            params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
+        except ValueError as e:
+            raise APIError(400, str(e), param="dimensions" if "dimensions" in str(e) else "normalize") from None
         rid = f"embd-{uuid.uuid4().hex}"
         inputs = await encode(texts, truncation(req.truncate_prompt_tokens))
         outs = await run(raw, rid, inputs, [params] * len(inputs), req.priority, cache_salt(raw, req.cache_salt))
