@@ -3,14 +3,15 @@
 # writes it as a GGUF and as a sentence-transformers directory from the same weights): tokenmill serve
 # and llama.cpp's llama-server --embeddings on the GGUF, C concurrent clients posting one text each
 # (embed_client.py), one server alive at a time, alternated REPS times; and sentence-transformers'
-# encode (batch 32, in-process, float32) on the directory. Short texts (32 tokens) and long (512).
+# encode (batch 32, in-process, float32) on the directory. Short texts (32 tokens), one per request
+# (queries) and 32 per request (an indexer's batches, BATCH), and long ones (512 tokens, one per request).
 # tokenmill runs once per configuration: float32 (the default), int8 weights with 8-bit activations
 # (llama.cpp's Q8 arithmetic) and, where the CPU has AVX512-BF16 or AMX, bfloat16; embed_accuracy.py
 # (results/embed-$SHAPE-accuracy.jsonl) gives each one's cosine to sentence-transformers' float32. SHAPE=small|base, TYPE=F16|F32 (the GGUF's matrices).
 # Writes results/embed-$SHAPE[-ISA].jsonl.
 source "$(dirname "$0")/common.sh"
 C=${C:-16}; REPS=${REPS:-2}; SHAPE=${SHAPE:-small}; TYPE=${TYPE:-F16}
-SHORT_N=${SHORT_N:-512}; LONG_N=${LONG_N:-64}
+SHORT_N=${SHORT_N:-512}; LONG_N=${LONG_N:-64}; BATCH=${BATCH:-32}
 CONFIGS=("float32|" "int8|--quantization int8 --activation-bits 8")
 grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo && CONFIGS+=("bfloat16|--dtype bfloat16")
 build_llamacpp
@@ -20,8 +21,9 @@ gguf=$dir/model-$(echo "$TYPE" | tr 'A-Z' 'a-z').gguf
 out=$RESULTS/embed-$SHAPE$SUFFIX.jsonl; : > "$out"
 pid=""; trap '[ -n "$pid" ] && stop $pid' EXIT  # a failed run leaves no server behind
 client() { "$PY" "$HERE/embed_client.py" "$@" >> "$out"; tail -1 "$out"; }
-both() {  # url peer: short texts, then long ones
+both() {  # url peer: short texts, one and BATCH per request, then long ones
   client server "$1" --words 30 --num "$SHORT_N" --concurrency "$C" --peer "$2"
+  client server "$1" --words 30 --num $((SHORT_N * 4)) --concurrency "$C" --batch "$BATCH" --peer "$2"
   client server "$1" --words 510 --num "$LONG_N" --concurrency "$C" --peer "$2"
 }
 for r in $(seq 1 "$REPS"); do

@@ -1,9 +1,10 @@
-"""Embeddings per second: C concurrent clients each posting one text per request to an
-OpenAI-compatible /v1/embeddings (tokenmill serve, llama-server --embeddings), or
+"""Embeddings per second: C concurrent clients each posting B texts per request (one query at a
+time: B=1; a document indexer's batches: B=32) to an OpenAI-compatible /v1/embeddings
+(tokenmill serve, llama-server --embeddings), or
 sentence-transformers' `encode` over the same texts in-process (its own batching, no HTTP: the
 library as a RAG pipeline calls it). One JSON line per run.
 
-    python embed_client.py server URL --words N --num M --concurrency C
+    python embed_client.py server URL --words N --num M --concurrency C [--batch B]
     python embed_client.py st HF_DIR --words N --num M
 """
 from __future__ import annotations
@@ -26,20 +27,21 @@ def texts(num: int, n_words: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(ws, k=n_words)) for _ in range(num)]
 
 
-async def serve(url: str, items: list[str], concurrency: int) -> dict:
+async def serve(url: str, items: list[str], concurrency: int, batch: int) -> dict:
     import httpx
 
-    queue = list(reversed(items))
+    queue = [items[i:i + batch] for i in range(0, len(items), batch)][::-1]
     tokens = 0
 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal tokens
         while queue:
-            text = queue.pop()
-            r = await client.post(url + "/v1/embeddings", json={"model": "bench", "input": text})
+            texts = queue.pop()
+            r = await client.post(url + "/v1/embeddings",
+                                  json={"model": "bench", "input": texts[0] if batch == 1 else texts})
             r.raise_for_status()
             body = r.json()
-            assert len(body["data"]) == 1 and body["data"][0]["embedding"], body
+            assert len(body["data"]) == len(texts) and all(d["embedding"] for d in body["data"]), body
             tokens += body["usage"]["prompt_tokens"]
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency)) as client:
@@ -71,12 +73,14 @@ def main() -> None:
     ap.add_argument("--words", type=int, required=True)
     ap.add_argument("--num", type=int, required=True)
     ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1, help="texts per request")
     ap.add_argument("--peer", required=True)
     args = ap.parse_args()
     items = texts(args.num, args.words)
-    res = asyncio.run(serve(args.target, items, args.concurrency)) if args.kind == "server" else st(args.target, items)
+    res = asyncio.run(serve(args.target, items, args.concurrency, args.batch)) if args.kind == "server" else st(args.target, items)
     print(json.dumps({"peer": args.peer, "tokens_per_text": args.words + 2, "texts": args.num,
-                      "concurrency": args.concurrency if args.kind == "server" else None, **res}))
+                      "concurrency": args.concurrency if args.kind == "server" else None,
+                      "batch": args.batch if args.kind == "server" else 32, **res}))
 
 
 if __name__ == "__main__":

@@ -263,7 +263,7 @@ def st_bert(tmp_path_factory):
 def embed_server(st_bert):
     from test_server import serving
 
-    with serving("--model", st_bert[0]) as base:
+    with serving("--model", st_bert[0], "--served-model-name", "embedder") as base:
         yield base
 
 
@@ -272,7 +272,7 @@ def rerank_server(tmp_path_factory):
     from test_server import serving
 
     path = _encoder_dir(tmp_path_factory.mktemp("ce-served"), "bert", head=True)
-    with serving("--model", path) as base:
+    with serving("--model", path, "--served-model-name", "reranker") as base:
         yield base, path
 
 
@@ -282,20 +282,29 @@ def test_embeddings_route_with_the_openai_client(embed_server, st_bert):
     import numpy as np
     import openai
 
+    from test_server import metric
+
     client = openai.OpenAI(base_url=embed_server + "/v1", api_key="x", max_retries=0)
     want = st_bert[1].encode(TEXTS, convert_to_numpy=True)
-    got = client.embeddings.create(model="smollm2", input=TEXTS)  # the client asks for base64 and decodes it
+    before = {n: metric(embed_server, n) for n in ("tokenmill:prompt_tokens_total", "tokenmill:request_success_total",
+                                                   "tokenmill:e2e_request_latency_seconds_count")}
+    got = client.embeddings.create(model="embedder", input=TEXTS)  # the client asks for base64 and decodes it
+    # each input is one request in the metrics, its tokens prompt tokens
+    assert metric(embed_server, "tokenmill:prompt_tokens_total") - before["tokenmill:prompt_tokens_total"] == \
+        got.usage.prompt_tokens
+    for n in ("tokenmill:request_success_total", "tokenmill:e2e_request_latency_seconds_count"):
+        assert metric(embed_server, n) - before[n] == len(TEXTS)
     assert [d.index for d in got.data] == list(range(len(TEXTS)))
     np.testing.assert_allclose(np.array([d.embedding for d in got.data]), want, rtol=1e-4, atol=1e-5)
-    floats = client.embeddings.create(model="smollm2", input=TEXTS[0], encoding_format="float")
+    floats = client.embeddings.create(model="embedder", input=TEXTS[0], encoding_format="float")
     np.testing.assert_allclose(floats.data[0].embedding, want[0], rtol=1e-4, atol=1e-5)
-    raw = client.embeddings.create(model="smollm2", input=TEXTS[:2], encoding_format="base64")
+    raw = client.embeddings.create(model="embedder", input=TEXTS[:2], encoding_format="base64")
     decoded = np.frombuffer(base64.b64decode(raw.data[1].embedding), dtype="<f4")
     np.testing.assert_allclose(decoded, want[1], rtol=1e-4, atol=1e-5)
     tok = st_bert[1].tokenizer
     assert got.usage.prompt_tokens == got.usage.total_tokens == sum(len(tok(t)["input_ids"]) for t in TEXTS)
     ids = tok(TEXTS[2])["input_ids"]
-    by_ids = client.embeddings.create(model="smollm2", input=[ids, ids], encoding_format="float")
+    by_ids = client.embeddings.create(model="embedder", input=[ids, ids], encoding_format="float")
     np.testing.assert_allclose(by_ids.data[1].embedding, want[2], rtol=1e-4, atol=1e-5)
 
 
@@ -341,7 +350,7 @@ def test_rerank_and_score_routes_equal_the_cross_encoder(rerank_server):
     want = CrossEncoder(path, device="cpu").predict([(QUERY, d) for d in DOCS], convert_to_numpy=True).flatten()
     order = sorted(range(len(DOCS)), key=lambda i: -want[i])
     for route in ("/rerank", "/v1/rerank"):
-        r = httpx.post(base + route, json={"model": "smollm2", "query": QUERY, "documents": DOCS, "top_n": 3},
+        r = httpx.post(base + route, json={"model": "reranker", "query": QUERY, "documents": DOCS, "top_n": 3},
                        timeout=60).json()
         assert [x["index"] for x in r["results"]] == order[:3]
         for x in r["results"]:
@@ -361,3 +370,31 @@ def test_rerank_and_score_routes_equal_the_cross_encoder(rerank_server):
     assert r.status_code == 400 and "embed" in r.json()["error"]["message"]
     r = httpx.post(base + "/rerank", json={"query": QUERY, "documents": []}, timeout=60)
     assert r.status_code == 400
+
+
+def test_a_rag_stack_behind_one_router(embed_server, rerank_server, st_bert):
+    """Embedder, reranker and chat model, one server each, one router in front: each request goes
+    to the replica that serves its `model` (the official client for embeddings and chat)."""
+    import httpx
+    import numpy as np
+    import openai
+    from test_router import KEY, start_router, stop
+    from test_server import start_server
+
+    chat_proc, chat = start_server("--served-model-name", "chat")  # each replica also serves the tests' MODEL name
+    router_proc, router = start_router(embed_server, rerank_server[0], chat)
+    try:
+        client = openai.OpenAI(base_url=router + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        got = client.embeddings.create(model="embedder", input=TEXTS[:2])
+        np.testing.assert_allclose(np.array([d.embedding for d in got.data]),
+                                   st_bert[1].encode(TEXTS[:2], convert_to_numpy=True), rtol=1e-4, atol=1e-5)
+        r = httpx.post(router + "/v1/rerank", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "reranker", "query": QUERY, "documents": DOCS, "top_n": 2}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["results"]) == 2
+        answer = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4)
+        assert answer.choices[0].message.content
+        # the chat model embeds too (its last token's hidden state): the chat replica answers it
+        assert len(client.embeddings.create(model="chat", input="dog").data[0].embedding) == 576
+    finally:
+        stop(router_proc, chat_proc)

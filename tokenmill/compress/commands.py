@@ -64,7 +64,8 @@ def run_quantize(args: argparse.Namespace) -> dict:
     to_gguf = getattr(args, "output_format", "safetensors") == "gguf"
     source = args.model or default_model_path()
     cfg = q.QuantizeConfig(args.method, args.group_size, args.calib_samples, args.calib_seq_len, args.act_order,
-                           args.damp, args.allow_partial_groups, args.compute_dtype, args.hessian_shrink)
+                           args.damp, args.allow_partial_groups, args.compute_dtype, args.hessian_shrink,
+                           args.awq_clip)
     if to_gguf:
         export.check_output_file(args.output, args.overwrite)
         gguf_export.check_source(source)
@@ -80,6 +81,7 @@ def run_quantize(args: argparse.Namespace) -> dict:
     report = {"command": "quantize", "method": cfg.method, "group_size": cfg.group_size if cfg.bits == 4 else -1,
               "bits": cfg.bits, "act_order": cfg.uses_act_order,
               "hessian_shrink": cfg.shrink if cfg.method == "gptq" else None,
+              "awq_clip": cfg.awq_clip if cfg.method == "awq" else None,
               "source": os.path.abspath(source), "source_parameters": stream.parameters(),
               "calibration": _calib_report(calib_paths, cfg.calib_samples, cfg.calib_seq_len) if samples else None}
     model = stream.model

@@ -36,6 +36,7 @@ class QuantizeConfig:
     allow_partial_groups: bool = False  # a group size that does not divide K: the last group is shorter
     compute_dtype: str = "auto"        # the calibration's matrix products (calib.compute_dtype)
     shrink: float = 0.25               # GPTQ: H's off-diagonal shrinkage toward its diagonal (qalgo.gptq)
+    awq_clip: bool = True              # AWQ: search each group's clipping range after the scales (qalgo.awq_clip)
 
     @property
     def bits(self) -> int:
@@ -60,6 +61,8 @@ class QuantizeConfig:
             raise ValueError(f"--hessian-shrink must lie in [0, 1), got {self.shrink}.")
         if not 0 < self.damp < 1:
             raise ValueError(f"--damp must lie in (0, 1), got {self.damp}.")
+        if not self.awq_clip and self.method != "awq":
+            raise ValueError(f"--no-awq-clip turns off AWQ's clip search; it does not apply to {self.method}.")
         if self.act_order is not None and self.method != "gptq":
             raise ValueError(f"--act-order orders GPTQ's columns; it does not apply to {self.method}.")
         if self.method == "rtn-int8":
@@ -175,7 +178,7 @@ def _awq_layer(model: CausalLM, layer: DecoderLayer, walk: LayerWalk, cfg: Quant
     out = {}
     for name, m in mods.items():
         clip = None
-        if name != "self_attn.qkv_proj":  # clipping q/k distorts attention scores (AWQ skips them too)
+        if cfg.awq_clip and name != "self_attn.qkv_proj":  # clipping q/k distorts attention scores (AWQ skips them too)
             h = stats[name].xtx
             if name in scales:  # the scaled layer's inputs are x / s
                 h = h / (scales[name][:, None] * scales[name][None, :])
