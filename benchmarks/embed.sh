@@ -45,10 +45,11 @@ cat "$RESULTS/embed-$SHAPE-accuracy$SUFFIX.jsonl"
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 peers = list(dict.fromkeys(r["peer"] for r in rows))
-for n in sorted({r["tokens_per_text"] for r in rows}):
-    med = {p: statistics.median(r["embeddings_per_s"] for r in rows if r["peer"] == p and r["tokens_per_text"] == n)
-           for p in peers}
-    print(f"{n} tokens/text: " + ", ".join(f"{p} {v:.1f}/s" for p, v in med.items()))
+def ok(r, n, b, p):  # sentence-transformers batches 32 in-process: its one row per length serves both
+    return r["peer"] == p and r["tokens_per_text"] == n and (r["batch"] == b or p == "sentence-transformers")
+for n, b in sorted({(r["tokens_per_text"], r["batch"]) for r in rows if r["peer"] != "sentence-transformers"}):
+    med = {p: statistics.median(r["embeddings_per_s"] for r in rows if ok(r, n, b, p)) for p in peers}
+    print(f"{n} tokens/text, {b} per request: " + ", ".join(f"{p} {v:.1f}/s" for p, v in med.items()))
     for p in peers:
         if p.startswith("tokenmill"):
             print(f"  {p}: {med[p] / med['llama-server']:.2f}x llama-server, "

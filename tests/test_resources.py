@@ -70,16 +70,22 @@ def test_engine_refuses_a_model_that_does_not_fit_before_loading_it(tmp_path, mo
 
 class _Clock:
     def __init__(self) -> None:
-        self.t, self.delay = 0.0, 0
+        self.t, self.delay, self.others = 0.0, 0, 0.0
 
-    def advance(self, seconds: float, contended_share: float) -> None:
+    def advance(self, seconds: float, contended_share: float, others_cores: float | None = None) -> None:
+        """`others_cores`: the cores other processes kept busy meanwhile (default: one, when contended)."""
         self.t += seconds
         self.delay += int(contended_share * seconds * 1e9)
+        self.others += seconds * (others_cores if others_cores is not None else contended_share > 0.5)
+
+    def governor(self, threads: int, calls: list) -> ThreadGovernor:
+        return ThreadGovernor(threads, read_delay=lambda: self.delay, clock=lambda: self.t, set_threads=calls.append,
+                              read_others=lambda: self.others)
 
 
 def test_governor_drops_a_thread_under_contention_and_takes_it_back_after():
     clock, threads = _Clock(), []
-    gov = ThreadGovernor(4, read_delay=lambda: clock.delay, clock=lambda: clock.t, set_threads=threads.append)
+    gov = clock.governor(4, threads)
     for _ in range(4):  # uncontended: nothing changes
         clock.advance(0.5, 0.01)
         gov.tick()
@@ -101,6 +107,36 @@ def test_governor_drops_a_thread_under_contention_and_takes_it_back_after():
         clock.advance(2.0, 0.01)
         gov.tick()
     assert gov.threads == 4  # free cores again: back to all of them
+
+
+def test_governor_keeps_its_threads_when_the_waiting_is_its_own_process():
+    """The threads wait for a core while no other process is busy (the server's own event loop),
+    or while a light neighbour runs in bursts: all threads stay."""
+    clock, threads = _Clock(), []
+    gov = clock.governor(2, threads)
+    for others in (0.0, 0.3, 0.45):
+        for _ in range(4):
+            clock.advance(0.5, 0.8, others)
+            gov.tick()
+    assert gov.threads == 2 and threads == []
+    clock.advance(0.5, 0.8, 0.7)  # a busy neighbour
+    gov.tick()
+    assert threads == [1]
+
+
+def test_other_processes_cpu_time_excludes_this_process(tmp_path):
+    from tokenmill.engine.threads import other_cpu_seconds
+
+    cpus = sorted(os.sched_getaffinity(0))
+    lines = ["cpu  1 1 1 1 1 1 1 1 0 0"] + [f"cpu{c} 100 0 50 999 7 5 5 3 0 0" for c in cpus]
+    lines.append(f"cpu{max(cpus) + 1} 1000 0 0 0 0 0 0 0 0 0")  # a core this process may not use
+    (tmp_path / "stat").write_text("\n".join(lines) + "\n")
+    (tmp_path / "self").mkdir()
+    fields = ["S"] + ["0"] * 10 + ["60", "20"] + ["0"] * 30  # utime 60, stime 20 ticks
+    (tmp_path / "self" / "stat").write_text("42 (tokenmill (x)) " + " ".join(fields) + "\n")
+    hz = os.sysconf("SC_CLK_TCK")
+    assert other_cpu_seconds(str(tmp_path)) == pytest.approx((160 * len(cpus) - 80) / hz)
+    assert other_cpu_seconds(str(tmp_path / "missing")) == 0.0
 
 
 def test_governor_is_off_with_one_thread():
