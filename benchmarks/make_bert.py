@@ -2,7 +2,8 @@
 laid out as a sentence-transformers model (CLS pooling, then Normalize: bge's layout) and a GGUF
 file laid out as llama.cpp's converter writes `bert` (phantom-space WordPiece vocabulary, CLS
 pooling), so tokenmill, llama.cpp and sentence-transformers can be measured on one model. Speed
-does not depend on the weights' values, only on the shapes.
+does not depend on the weights' values, only on the shapes. `--arch nomic-bert`: a Nomic BERT
+instead (nomic-embed-text's layout: rotary positions, SwiGLU, mean pooling; GGUF `nomic-bert`).
 
 The vocabulary is BERT's size (30,522): the special tokens at BERT's ids, letters, and made-up
 lower-case words, one token each, so a text of N words is N + 2 tokens with [CLS] and [SEP].
@@ -22,6 +23,7 @@ SHAPES = {  # bge-small-en-v1.5 and bge-base-en-v1.5 (BERT-base); tiny: for test
     "tiny": dict(hidden=32, layers=2, heads=4, ff=64, positions=128),
     "small": dict(hidden=384, layers=12, heads=12, ff=1536, positions=512),
     "base": dict(hidden=768, layers=12, heads=12, ff=3072, positions=512),
+    "nomic": dict(hidden=768, layers=12, heads=12, ff=3072, positions=2048),  # nomic-embed-text-v1.5
 }
 VOCAB = 30522
 SPECIAL = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
@@ -47,9 +49,10 @@ def words(tokens: list[str]) -> list[str]:
     return [t for t in tokens if len(t) >= 3 and t.isalpha()]
 
 
-def save_hf(path: str, shape: dict, tokens: list[str], seed: int = 0, head: bool = False) -> None:
-    """A random BertModel (or a one-label cross-encoder) + its WordPiece tokenizer + the
-    sentence-transformers modules (CLS pooling, Normalize)."""
+def save_hf(path: str, shape: dict, tokens: list[str], seed: int = 0, head: bool = False,
+            arch: str = "bert") -> None:
+    """A random BertModel (or a one-label cross-encoder; or a NomicBertModel) + its WordPiece
+    tokenizer + the sentence-transformers modules (CLS pooling, or Nomic's mean; Normalize)."""
     import json
 
     import torch
@@ -57,11 +60,18 @@ def save_hf(path: str, shape: dict, tokens: list[str], seed: int = 0, head: bool
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     torch.manual_seed(seed)
-    cfg = tf.BertConfig(vocab_size=len(tokens), hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
-                        num_attention_heads=shape["heads"], intermediate_size=shape["ff"],
-                        max_position_embeddings=shape["positions"], num_labels=1)
-    model = (tf.BertForSequenceClassification if head else tf.BertModel)(cfg).eval()
-    model.save_pretrained(path, safe_serialization=True)
+    dims = dict(vocab_size=len(tokens), hidden_size=shape["hidden"], num_hidden_layers=shape["layers"],
+                num_attention_heads=shape["heads"], intermediate_size=shape["ff"],
+                max_position_embeddings=shape["positions"])
+    if arch == "nomic-bert":
+        model = tf.NomicBertModel(tf.NomicBertConfig(**dims)).eval()
+        with torch.no_grad():  # transformers' init leaves the norms at 1 and 0: random ones test more
+            for name, p in model.named_parameters():
+                if "LayerNorm" in name or "layernorm" in name:
+                    p.add_(torch.randn_like(p) * 0.1)
+    else:
+        model = (tf.BertForSequenceClassification if head else tf.BertModel)(tf.BertConfig(**dims, num_labels=1)).eval()
+    model.save_pretrained(path, safe_serialization=True)  # Nomic BERT under the names of Nomic's own code
     tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -75,7 +85,8 @@ def save_hf(path: str, shape: dict, tokens: list[str], seed: int = 0, head: bool
         return
     os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
     with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
-        json.dump({"word_embedding_dimension": shape["hidden"], "pooling_mode_cls_token": True}, f)
+        json.dump({"word_embedding_dimension": shape["hidden"],
+                   "pooling_mode_mean_tokens" if arch == "nomic-bert" else "pooling_mode_cls_token": True}, f)
     with open(os.path.join(path, "modules.json"), "w") as f:
         json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -90,14 +101,23 @@ _TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddi
         "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
 
 
+_NOMIC_LAYER = {"attn.Wqkv": "attn_qkv", "attn.out_proj": "attn_output", "mlp.fc11": "ffn_up", "mlp.fc12": "ffn_gate",
+                "mlp.fc2": "ffn_down", "norm1": "attn_output_norm", "norm2": "layer_output_norm"}
+
+
 def gguf_name(hf: str) -> str | None:
+    """llama.cpp's name for a tensor of BERT (or of Nomic BERT, under Nomic's names)."""
     name = hf.removeprefix("bert.")
     base, _, kind = name.rpartition(".")
     if base in _TOP:
         return f"{_TOP[base]}.{kind}"
+    if base == "emb_ln":
+        return f"token_embd_norm.{kind}"
     parts = base.split(".")
     if parts[:2] == ["encoder", "layer"] and ".".join(parts[3:]) in _LAYER:
         return f"blk.{parts[2]}.{_LAYER['.'.join(parts[3:])]}.{kind}"
+    if parts[:2] == ["encoder", "layers"] and ".".join(parts[3:]) in _NOMIC_LAYER:
+        return f"blk.{parts[2]}.{_NOMIC_LAYER['.'.join(parts[3:])]}.{kind}"
     return None  # the pooler: llama.cpp's converter drops it
 
 
@@ -114,8 +134,9 @@ def write_gguf(hf_dir: str, out: str, float_type: str = "F16") -> None:
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         vocab = json.load(f)["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
-    w = gguf.GGUFWriter(out, "bert")
-    w.add_name("random-bert")
+    nomic = cfg["model_type"] == "nomic_bert"
+    w = gguf.GGUFWriter(out, "nomic-bert" if nomic else "bert")
+    w.add_name("random-" + cfg["model_type"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -123,7 +144,9 @@ def write_gguf(hf_dir: str, out: str, float_type: str = "F16") -> None:
     w.add_head_count(cfg["num_attention_heads"])
     w.add_layer_norm_eps(cfg.get("layer_norm_eps", 1e-12))
     w.add_causal_attention(False)
-    w.add_pooling_type(gguf.PoolingType.CLS)
+    w.add_pooling_type(gguf.PoolingType.MEAN if nomic else gguf.PoolingType.CLS)
+    if nomic:
+        w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if float_type == "F16" else gguf.LlamaFileType.ALL_F32)
     w.add_token_type_count(cfg.get("type_vocab_size", 2))
     control = [t.startswith("[") and t.endswith("]") for t in tokens]
@@ -154,11 +177,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="small")
     ap.add_argument("--type", default="F16", choices=["F16", "F32"])
+    ap.add_argument("--arch", default="bert", choices=["bert", "nomic-bert"])
     ap.add_argument("out")
     args = ap.parse_args()
     hf = os.path.join(args.out, "hf")
     tokens = vocabulary(VOCAB if args.shape != "tiny" else 2000)
-    save_hf(hf, SHAPES[args.shape], tokens)
+    save_hf(hf, SHAPES[args.shape], tokens, arch=args.arch)
     write_gguf(hf, os.path.join(args.out, f"model-{args.type.lower()}.gguf"), args.type)
 
 

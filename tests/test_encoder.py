@@ -21,6 +21,7 @@ KINDS = {
     "bert-head": (tf.BertConfig, tf.BertForSequenceClassification, {"num_labels": 1}),
     "xlm-roberta-head": (tf.XLMRobertaConfig, tf.XLMRobertaForSequenceClassification,
                          {"pad_token_id": 1, "type_vocab_size": 1, "num_labels": 1}),
+    "nomic-bert": (tf.NomicBertConfig, tf.NomicBertModel, {"hidden_act": "silu"}),
 }
 INPUTS = [[5, 17, 33, 2, 90, 11, 4], [7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70], [9, 8, 7, 6, 5, 4, 3]]  # two of one length
 
@@ -28,7 +29,10 @@ INPUTS = [[5, 17, 33, 2, 90, 11, 4], [7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68
 def _save(kind: str, path, seed: int = 0):
     cfg_cls, model_cls, extra = KINDS[kind]
     torch.manual_seed(seed)
-    ref = model_cls(cfg_cls(**SMALL, **extra, hidden_act="gelu")).eval()
+    ref = model_cls(cfg_cls(**{"hidden_act": "gelu", **SMALL, **extra})).eval()
+    with torch.no_grad():  # norms away from 1 and 0, projections larger than the init's: more to get wrong
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
     ref.save_pretrained(path, safe_serialization=True)
     return ref
 
@@ -39,7 +43,7 @@ def _reference_hidden(ref, ids: list[int]) -> torch.Tensor:
         return base(torch.tensor([ids])).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "nomic-bert"])
 def test_encoder_hidden_states_equal_transformers_on_a_ragged_batch(kind, tmp_path):
     ref = _save(kind, tmp_path)
     model = load_encoder(str(tmp_path))
@@ -47,6 +51,34 @@ def test_encoder_hidden_states_equal_transformers_on_a_ragged_batch(kind, tmp_pa
         got = model(torch.tensor(sum(INPUTS, [])), [len(i) for i in INPUTS])
     want = torch.cat([_reference_hidden(ref, ids) for ids in INPUTS])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_nomic_bert_loads_under_transformers_names_too(tmp_path):
+    """save_pretrained writes Nomic's own tensor names (Wqkv, fc11/fc12, norm1/2); a checkpoint
+    under transformers' names (q/k/v_proj, up/gate_proj) loads to the same model."""
+    ref = _save("nomic-bert", tmp_path)
+    native = tmp_path / "native"
+    native.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(native / "model.safetensors"))
+    (native / "config.json").write_text((tmp_path / "config.json").read_text())
+    assert "layers.0.self_attn.q_proj.weight" in ref.state_dict()
+    ids = torch.tensor(sum(INPUTS, []))
+    lengths = [len(i) for i in INPUTS]
+    with torch.no_grad():
+        torch.testing.assert_close(load_encoder(str(native))(ids, lengths), load_encoder(str(tmp_path))(ids, lengths),
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change, words", [({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0}}, "yarn"),
+                                           ({"rotary_emb_interleaved": True}, "interleaved"),
+                                           ({"qkv_proj_bias": True}, "biases"),
+                                           ({"hidden_act": "gelu"}, "gelu")])
+def test_nomic_bert_variants_it_cannot_run_are_refused(tmp_path, change, words):
+    _save("nomic-bert", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ValueError, match=words):
+        load_encoder(str(tmp_path))
 
 
 @pytest.mark.parametrize("kind", ["bert-head", "xlm-roberta-head"])

@@ -165,19 +165,20 @@ def test_decoder_embeddings_are_the_last_tokens_final_hidden_state(decoder_embed
         llm.generate([[1, 2]])
 
 
-@pytest.fixture(scope="module")
-def bert_gguf(tmp_path_factory):
-    """A tiny random BERT as a sentence-transformers directory and as llama.cpp's converter writes
-    it to GGUF (benchmarks/make_bert.py: the same weights), F32 and F16."""
+@pytest.fixture(scope="module", params=["bert", "nomic-bert"])
+def bert_gguf(request, tmp_path_factory):
+    """A tiny random BERT (or Nomic BERT) as a sentence-transformers directory and as llama.cpp's
+    converter writes it to GGUF (benchmarks/make_bert.py: the same weights), F32 and F16. llama.cpp
+    runs both files (checked by hand: cosine 1.0 to tokenmill's vectors)."""
     import pathlib
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks"))
     import make_bert
 
-    path = tmp_path_factory.mktemp("bert-gguf")
+    path = tmp_path_factory.mktemp(f"{request.param}-gguf")
     tokens = make_bert.vocabulary(2000)
-    make_bert.save_hf(str(path / "hf"), make_bert.SHAPES["tiny"], tokens)
+    make_bert.save_hf(str(path / "hf"), make_bert.SHAPES["tiny"], tokens, arch=request.param)
     for kind in ("F32", "F16"):
         make_bert.write_gguf(str(path / "hf"), str(path / f"model-{kind}.gguf"), kind)
     ws = make_bert.words(tokens)
@@ -186,15 +187,16 @@ def bert_gguf(tmp_path_factory):
 
 
 def test_a_gguf_bert_embeds_as_its_sentence_transformers_twin(bert_gguf):
-    """llama.cpp's `bert` layout: WordPiece rebuilt from the phantom-space vocabulary (same ids as
-    the Hugging Face tokenizer), CLS pooling from the metadata, normalized."""
+    """llama.cpp's `bert` and `nomic-bert` layouts: WordPiece rebuilt from the phantom-space
+    vocabulary (same ids as the Hugging Face tokenizer), CLS or mean pooling from the metadata,
+    normalized; the Hugging Face directory itself too (Nomic BERT under Nomic's tensor names)."""
     from sentence_transformers import SentenceTransformer
 
     path, texts = bert_gguf
     ref = SentenceTransformer(str(path / "hf"), device="cpu")
     want = torch.tensor(ref.encode(texts))
-    for kind, floor in (("F32", 0.99999), ("F16", 0.999)):
-        llm = LLM(str(path / f"model-{kind}.gguf"))
+    for kind, floor in (("F32", 0.99999), ("F16", 0.999), ("hf", 0.99999)):
+        llm = LLM(str(path / f"model-{kind}.gguf") if kind != "hf" else str(path / "hf"))
         outs = llm.embed(texts, use_tqdm=False)
         assert [o.prompt_token_ids for o in outs] == [ref.tokenizer(t)["input_ids"] for t in texts]
         got = torch.tensor([o.outputs.embedding for o in outs])

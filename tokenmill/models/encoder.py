@@ -1,11 +1,14 @@
 """Encoder models of the BERT family (BERT, RoBERTa, XLM-RoBERTa: the encoders under bge, e5, gte,
-multilingual-e5 and the bge-reranker cross-encoders), for embeddings and reranking.
+multilingual-e5 and the bge-reranker cross-encoders; Nomic BERT: nomic-embed-text), for
+embeddings and reranking.
 
 What sets them apart from the decoders in llama.py: every token attends to every other token of
 its own input (no causal mask, so no KV cache and no chunking: an input runs whole), post-norm
 residual blocks with LayerNorm, learned absolute positions (RoBERTa's start after the padding id)
-and token types. The forward takes a ragged batch, inputs back to back, as the decoders' prefill
-does. A sequence-classification head (a cross-encoder's relevance score) is optional.
+and token types. Nomic BERT keeps the block and swaps three parts: rotary positions (NeoX's
+halves) instead of the position table, a SiLU-gated MLP, no biases in its projections. The forward
+takes a ragged batch, inputs back to back, as the decoders' prefill does. A sequence-classification
+head (a cross-encoder's relevance score) is optional.
 """
 from __future__ import annotations
 
@@ -19,9 +22,9 @@ from torch import nn
 
 from tokenmill.layers.linear import Linear
 
-_ACTS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+_ACTS = {"gelu": F.gelu, "silu": F.silu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
-_FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+_FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "nomic_bert": "nomic"}
 HEADS = ("BertForSequenceClassification", "RobertaForSequenceClassification",
          "XLMRobertaForSequenceClassification")
 
@@ -40,6 +43,9 @@ class EncoderConfig:
     hidden_act: str
     pad_token_id: int
     num_labels: int = 0         # outputs of the sequence-classification head; 0: no head
+    rope_theta: float = 0.0     # rotary positions' base (Nomic BERT); 0: a learned position table
+    gated: bool = False         # MLP: down(act(gate(x)) * up(x)) (Nomic BERT) instead of down(act(up(x)))
+    bias: bool = True           # the projections have biases (not Nomic BERT's)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> EncoderConfig:
@@ -47,6 +53,8 @@ class EncoderConfig:
         if family is None:
             raise ValueError(f"model_type {cfg.get('model_type')!r} is not an encoder tokenmill runs; "
                              f"supported: {sorted(_FAMILIES)}.")
+        if family == "nomic":
+            return cls._from_nomic(cfg)
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"position_embedding_type {cfg['position_embedding_type']!r} is not supported "
                              "(absolute positions only).")
@@ -59,6 +67,36 @@ class EncoderConfig:
                    cfg["num_attention_heads"], cfg["intermediate_size"], cfg["max_position_embeddings"],
                    cfg.get("type_vocab_size", 2), cfg.get("layer_norm_eps", 1e-12), act,
                    cfg.get("pad_token_id", 0) or 0, labels)
+
+    @classmethod
+    def _from_nomic(cls, cfg: dict) -> EncoderConfig:
+        """transformers' NomicBertConfig, or the names of Nomic's own code (n_embd, n_layer, ...)."""
+        def get(name: str, old: str, default=None):
+            value = cfg.get(name, cfg.get(old, default))
+            if value is None:
+                raise ValueError(f"the Nomic BERT config lacks {name} ({old}).")
+            return value
+
+        act = cfg.get("hidden_act", cfg.get("activation_function", "silu"))
+        if act not in ("silu", "swiglu"):
+            raise ValueError(f"Nomic BERT with activation {act!r} is not supported (SwiGLU only).")
+        if cfg.get("rotary_emb_fraction", 1.0) != 1.0 or cfg.get("rotary_emb_interleaved", False) \
+                or cfg.get("prenorm", False):
+            raise ValueError("this Nomic BERT variant (partial or interleaved rotary, or pre-norm) is not supported.")
+        if any(cfg.get(k) for k in ("qkv_proj_bias", "mlp_fc1_bias", "mlp_fc2_bias")):
+            raise ValueError("Nomic BERT with biases in its projections is not supported.")
+        if (cfg.get("rope_parameters") or {}).get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {cfg['rope_parameters']['rope_type']!r} is not supported.")
+        theta = (cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rotary_emb_base") \
+            or cfg.get("rope_theta") or 1000.0
+        hidden, heads = get("hidden_size", "n_embd"), get("num_attention_heads", "n_head")
+        if cfg.get("head_dim") not in (None, hidden // heads):
+            raise ValueError(f"head_dim {cfg['head_dim']} other than hidden_size / heads is not supported.")
+        return cls("nomic", cfg["vocab_size"], hidden, get("num_hidden_layers", "n_layer"),
+                   heads, get("intermediate_size", "n_inner", None),
+                   get("max_position_embeddings", "n_positions", 2048), cfg.get("type_vocab_size", 2),
+                   get("layer_norm_eps", "layer_norm_epsilon", 1e-12), "silu", cfg.get("pad_token_id", 0) or 0,
+                   0, float(theta), gated=True, bias=False)
 
     @property
     def position_offset(self) -> int:
@@ -74,19 +112,24 @@ class EncoderConfig:
 class EncoderLayer(nn.Module):
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
-        h = cfg.hidden_size
+        h, inter = cfg.hidden_size, cfg.intermediate_size
         self.num_heads, self.head_dim = cfg.num_heads, h // cfg.num_heads
-        self.qkv = Linear(h, 3 * h, bias=True)
-        self.attn_out = Linear(h, h, bias=True)
+        self.qkv = Linear(h, 3 * h, bias=cfg.bias)
+        self.attn_out = Linear(h, h, bias=cfg.bias)
         self.attn_norm = nn.LayerNorm(h, eps=cfg.eps)
-        self.up = Linear(h, cfg.intermediate_size, bias=True)
-        self.down = Linear(cfg.intermediate_size, h, bias=True)
+        self.inter, self.gated = inter, cfg.gated
+        self.up = Linear(h, 2 * inter if cfg.gated else inter, bias=cfg.bias)  # gated: gate rows, then up rows
+        self.down = Linear(inter, h, bias=cfg.bias)
         self.out_norm = nn.LayerNorm(h, eps=cfg.eps)
         self.act = _ACTS[cfg.hidden_act]
 
-    def forward(self, x: torch.Tensor, runs: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor:
-        """`runs`: the inputs of each length (`_same_length_runs`)."""
+    def forward(self, x: torch.Tensor, runs: list[tuple[torch.Tensor | None, int]],
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`runs`: the inputs of each length (`_same_length_runs`); `rope`: each token's rotary
+        (cos, sin), (T, 1, head_dim) each, where the model has rotary positions."""
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)   # (T, H, D) each
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
         a = torch.empty_like(q)
         for idx, n in runs:
             # the inputs of one length as a batch (B, H, n, D), each attending over itself only, both
@@ -100,7 +143,15 @@ class EncoderLayer(nn.Module):
                 a[idx] = out
         a = a.reshape(x.shape)
         x = self.attn_norm(x + self.attn_out(a))
-        return self.out_norm(x + self.down(self.act(self.up(x))))
+        u = self.up(x)
+        u = self.act(u[:, :self.inter]) * u[:, self.inter:] if self.gated else self.act(u)
+        return self.out_norm(x + self.down(u))
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on (T, H, D): NeoX's layout, the first half of D paired with the second."""
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
 
 
 def _same_length_runs(lengths: list[int], device: torch.device) -> list[tuple[torch.Tensor | None, int]]:
@@ -121,7 +172,11 @@ class Encoder(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.word = nn.Embedding(cfg.vocab_size, h)
-        self.position = nn.Embedding(cfg.max_positions, h)
+        self.position = nn.Embedding(cfg.max_positions, h) if not cfg.rope_theta else None
+        if cfg.rope_theta:
+            d = h // cfg.num_heads
+            self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2).float() / d),
+                                 persistent=False)
         self.token_type = nn.Embedding(max(cfg.type_vocab_size, 1), h)
         self.embed_norm = nn.LayerNorm(h, eps=cfg.eps)
         self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
@@ -139,11 +194,19 @@ class Encoder(nn.Module):
             raise ValueError(f"an input of {max(lengths)} tokens is longer than the model's "
                              f"{self.cfg.max_tokens} positions.")
         types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
-        x = self.word(input_ids) + self.position(self.positions(lengths).to(input_ids.device)) + self.token_type(types)
+        positions = self.positions(lengths).to(input_ids.device)
+        x = self.word(input_ids) + self.token_type(types)
+        rope = None
+        if self.position is not None:
+            x = x + self.position(positions)
+        else:
+            angles = positions[:, None].float() * self.inv_freq
+            angles = torch.cat((angles, angles), dim=-1)[:, None, :]               # (T, 1, D)
+            rope = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x = self.embed_norm(x)
         runs = _same_length_runs(lengths, x.device)
         for layer in self.layers:
-            x = layer(x, runs)
+            x = layer(x, runs, rope)
         return x
 
     def classify(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -175,15 +238,25 @@ def is_encoder(path: str) -> bool:
             return False  # the decoder loader says what is wrong with it
 
 
+_NOMIC_LAYER = {"self_attn.o_proj": "attn_out", "attn.out_proj": "attn_out", "mlp.down_proj": "down",
+                "mlp.fc2": "down", "post_attention_layernorm": "attn_norm", "norm1": "attn_norm",
+                "post_mlp_layernorm": "out_norm", "norm2": "out_norm", "mlp.gate_proj": "up#g", "mlp.fc12": "up#g",
+                "mlp.up_proj": "up#u", "mlp.fc11": "up#u", "attn.Wqkv": "qkv", "self_attn.q_proj": "qkv#0",
+                "self_attn.k_proj": "qkv#1", "self_attn.v_proj": "qkv#2"}
+
+
 def _hf_name(name: str) -> str | None:
-    """Our parameter name for a Hugging Face encoder tensor, None for one we do not use."""
-    for prefix in ("bert.", "roberta.", "model."):
+    """Our parameter name for a Hugging Face encoder tensor, None for one we do not use; after a
+    '#', the part of a fused parameter it fills (q/k/v: 0/1/2; a gated MLP's gate/up: g/u).
+    Nomic BERT's tensors under transformers' names or under those of Nomic's own code."""
+    for prefix in ("bert.", "roberta.", "model.", "nomic_bert."):
         if name.startswith(prefix):
             name = name[len(prefix):]
     simple = {"embeddings.word_embeddings.weight": "word.weight",
               "embeddings.position_embeddings.weight": "position.weight",
               "embeddings.token_type_embeddings.weight": "token_type.weight",
               "embeddings.LayerNorm.weight": "embed_norm.weight", "embeddings.LayerNorm.bias": "embed_norm.bias",
+              "emb_ln.weight": "embed_norm.weight", "emb_ln.bias": "embed_norm.bias",
               "pooler.dense.weight": "head_dense.weight", "pooler.dense.bias": "head_dense.bias",
               "classifier.weight": "head_out.weight", "classifier.bias": "head_out.bias",
               "classifier.dense.weight": "head_dense.weight", "classifier.dense.bias": "head_dense.bias",
@@ -191,6 +264,15 @@ def _hf_name(name: str) -> str | None:
     if name in simple:
         return simple[name]
     parts = name.split(".")
+    if parts[0] == "encoder" and parts[1] == "layers":  # Nomic's own code: encoder.layers.N...
+        parts = parts[1:]
+    if parts[0] == "layers" and len(parts) > 3:         # Nomic BERT
+        module, kind = ".".join(parts[2:-1]), parts[-1]
+        ours = _NOMIC_LAYER.get(module)
+        if ours is None:
+            return None
+        dst, _, part = ours.partition("#")
+        return f"layers.{parts[1]}.{dst}.{kind}" + (f"#{part}" if part else "")
     if parts[0] != "encoder" or parts[1] != "layer":
         return None
     rest = ".".join(parts[3:])
@@ -205,6 +287,24 @@ def _hf_name(name: str) -> str | None:
     return None
 
 
+def fused_parts(model: Encoder, name: str) -> tuple[str, ...]:
+    """The parts a fused parameter is filled from: q/k/v rows, a gated MLP's gate and up rows."""
+    if ".qkv." in name:
+        return ("0", "1", "2")
+    if ".up." in name and model.cfg.gated:
+        return ("g", "u")
+    return ("",)
+
+
+def part_rows(model: Encoder, target: torch.Tensor, part: str) -> torch.Tensor:
+    """The rows of a fused parameter one part fills."""
+    if not part:
+        return target
+    n = model.cfg.intermediate_size if part in "gu" else model.cfg.hidden_size
+    i = "gu".index(part) if part in "gu" else int(part)
+    return target[i * n:(i + 1) * n]
+
+
 def load_encoder(path: str, dtype: torch.dtype = torch.float32) -> Encoder:
     """An encoder from a Hugging Face directory (config.json, *.safetensors); every weight it
     needs must be there."""
@@ -217,7 +317,6 @@ def load_encoder(path: str, dtype: torch.dtype = torch.float32) -> Encoder:
         raise ValueError(f"{path} has no *.safetensors weights.")
     model = Encoder(cfg)
     params = dict(model.named_parameters())
-    h = cfg.hidden_size
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
@@ -227,16 +326,17 @@ def load_encoder(path: str, dtype: torch.dtype = torch.float32) -> Encoder:
                     if ours is None or (ours.startswith("head_") and not cfg.num_labels):
                         continue
                     ours, _, part = ours.partition("#")
+                    if ours not in params:
+                        raise ValueError(f"{name} in {path} has no place in this {cfg.family} encoder "
+                                         f"(a bias where the config says none?).")
                     t = f.get_tensor(name).float()
-                    target = params[ours].data
-                    if part:  # q, k or v rows of the fused projection
-                        target = target[int(part) * h:(int(part) + 1) * h]
+                    target = part_rows(model, params[ours].data, part)
                     if tuple(target.shape) != tuple(t.shape):
                         raise ValueError(f"{name} in {path} has shape {tuple(t.shape)}; the config says "
                                          f"{tuple(target.shape)}.")
                     target.copy_(t)
-                    loaded.add(ours + part)
-    need = {n + part for n in params for part in (("0", "1", "2") if ".qkv." in n else ("",))}
+                    loaded.update(ours + p for p in ((part,) if part else fused_parts(model, ours)))
+    need = {n + part for n in params for part in fused_parts(model, n)}
     missing = sorted(need - loaded)
     if cfg.type_vocab_size == 0:
         missing = [m for m in missing if not m.startswith("token_type")]

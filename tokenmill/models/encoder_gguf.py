@@ -1,10 +1,11 @@
 """BERT-family encoders from GGUF files (llama.cpp's `bert` architecture, as its converter writes
-bge, e5, gte and all-MiniLM models): config and pooling from the metadata, weights dequantized to
-float (an encoder is small and runs float), the WordPiece tokenizer from the vocabulary.
+bge, e5, gte and all-MiniLM models, and `nomic-bert`: nomic-embed-text): config and pooling from the
+metadata, weights dequantized to float (an encoder is small and runs float; the integer kernels
+are a load option), the WordPiece tokenizer from the vocabulary.
 
 llama.cpp's converter drops BERT's pooler, so a BERT cross-encoder cannot be run from its GGUF; a
 head is loaded where the file has both of its layers (`cls`, `cls.output`: RoBERTa-style
-rerankers). Other encoder architectures (nomic-bert, jina-bert-v2, ModernBERT) are refused by name.
+rerankers). Other encoder architectures (nomic-bert-moe, jina-bert, ModernBERT) are refused by name.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import re
 
 import torch
 
-from tokenmill.models.encoder import Encoder, EncoderConfig
+from tokenmill.models.encoder import Encoder, EncoderConfig, fused_parts, part_rows
 from tokenmill.models.pooling import PoolingConfig
 
 # llama.cpp's pooling_type: 0 none, 1 mean, 2 cls, 3 last, 4 rank (a classifier head)
@@ -22,19 +23,20 @@ _TOP = {"token_embd.weight": "word.weight", "position_embd.weight": "position.we
         "token_embd_norm.bias": "embed_norm.bias", "cls.weight": "head_dense.weight", "cls.bias": "head_dense.bias",
         "cls.output.weight": "head_out.weight", "cls.output.bias": "head_out.bias"}
 _LAYER = {"attn_output": "attn_out", "attn_output_norm": "attn_norm", "ffn_up": "up", "ffn_down": "down",
-          "layer_output_norm": "out_norm"}
+          "layer_output_norm": "out_norm", "attn_qkv": "qkv", "ffn_gate": "up"}
+ARCHS = ("bert", "nomic-bert")
 _BLK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 def config(meta: dict, tensors: dict) -> EncoderConfig:
     arch = meta.get("general.architecture")
-    if arch != "bert":
-        raise ValueError(f"GGUF architecture {arch!r} is not an encoder tokenmill runs (GGUF encoders: 'bert').")
+    if arch not in ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not an encoder tokenmill runs (GGUF encoders: {list(ARCHS)}).")
 
     def need(key: str):
-        value = meta.get(f"bert.{key}")
+        value = meta.get(f"{arch}.{key}")
         if value is None:
-            raise ValueError(f"the GGUF file lacks bert.{key}.")
+            raise ValueError(f"the GGUF file lacks {arch}.{key}.")
         return value
 
     head = "cls.output.weight" in tensors
@@ -46,31 +48,38 @@ def config(meta: dict, tensors: dict) -> EncoderConfig:
     hidden = int(need("embedding_length"))
     labels = tensors["cls.output.weight"].n_elements // hidden if head else 0
     vocab = int(tensors["token_embd.weight"].shape[1])  # shapes as stored: columns first
-    return EncoderConfig("bert", vocab, hidden, int(need("block_count")),
+    nomic = arch == "nomic-bert"
+    if nomic and any(n.endswith(".bias") and "norm" not in n for n in tensors if n.startswith("blk.")):
+        raise ValueError("this nomic-bert GGUF has biases in its projections; tokenmill runs Nomic BERT without.")
+    return EncoderConfig("nomic" if nomic else "bert", vocab, hidden, int(need("block_count")),
                          int(need("attention.head_count")), int(need("feed_forward_length")),
                          int(need("context_length")), int(meta.get("tokenizer.ggml.token_type_count", 2)),
-                         float(meta.get("bert.attention.layer_norm_epsilon", 1e-12)), "gelu",
-                         int(meta.get("tokenizer.ggml.padding_token_id", 0)), labels)
+                         float(meta.get(f"{arch}.attention.layer_norm_epsilon", 1e-12)), "silu" if nomic else "gelu",
+                         int(meta.get("tokenizer.ggml.padding_token_id", 0)), labels,
+                         float(meta.get(f"{arch}.rope.freq_base", 1000.0)) if nomic else 0.0,
+                         gated=nomic, bias=not nomic)
 
 
 def pooling(meta: dict) -> PoolingConfig:
     """The file's pooling, normalized as llama.cpp's server normalizes embeddings by default."""
-    kind = int(meta.get("bert.pooling_type", 2))
+    kind = int(meta.get(f"{meta.get('general.architecture')}.pooling_type", 2))
     return PoolingConfig(_POOLING.get(kind, ("cls",)), normalize=True)
 
 
-def _our_name(name: str) -> tuple[str, int | None] | None:
-    """(our parameter, q/k/v part or None) for a llama.cpp tensor name; None for one we do not use."""
+def _our_name(name: str, gated: bool) -> tuple[str, str] | None:
+    """(our parameter, the part of a fused one it fills or "") for a llama.cpp tensor name; None for
+    one we do not use."""
     if name in _TOP:
-        return _TOP[name], None
+        return _TOP[name], ""
     m = _BLK.match(name)
     if m is None:
         return None
     layer, part, kind = m.groups()
     if part in ("attn_q", "attn_k", "attn_v"):
-        return f"layers.{layer}.qkv.{kind}", "qkv".index(part[-1])
+        return f"layers.{layer}.qkv.{kind}", str("qkv".index(part[-1]))
     if part in _LAYER:
-        return f"layers.{layer}.{_LAYER[part]}.{kind}", None
+        fill = {"ffn_gate": "g", "ffn_up": "u"}.get(part, "") if gated else ""
+        return f"layers.{layer}.{_LAYER[part]}.{kind}", fill
     return None
 
 
@@ -82,25 +91,22 @@ def load(path: str) -> tuple[Encoder, dict]:
     cfg = config(gf.meta, gf.tensors)
     model = Encoder(cfg)
     params = dict(model.named_parameters())
-    h = cfg.hidden_size
     loaded: set[str] = set()
     with torch.no_grad():
         for name, info in gf.tensors.items():
-            ours = _our_name(name)
+            ours = _our_name(name, cfg.gated)
             if ours is None:
                 continue
             target_name, part = ours
-            target = params[target_name].data
-            if part is not None:
-                target = target[part * h:(part + 1) * h]
-            t = torch.tensor(gf._dequantize(info)).reshape(target.shape) \
-                if int(info.n_elements) == target.numel() else None
-            if t is None:
+            if target_name not in params:
+                raise ValueError(f"{name} in {path} has no place in this {cfg.family} encoder.")
+            target = part_rows(model, params[target_name].data, part)
+            if int(info.n_elements) != target.numel():
                 raise ValueError(f"{name} in {path} has {int(info.n_elements)} values; the metadata says "
                                  f"{tuple(target.shape)}.")
-            target.copy_(t)
-            loaded.add(target_name + ("" if part is None else str(part)))
-    need = {n + p for n in params for p in (("0", "1", "2") if ".qkv." in n else ("",))}
+            target.copy_(torch.tensor(gf._dequantize(info)).reshape(target.shape))
+            loaded.update(target_name + p for p in ((part,) if part else fused_parts(model, target_name)))
+    need = {n + p for n in params for p in fused_parts(model, n)}
     missing = sorted(m for m in need - loaded if not (m.startswith("token_type") and cfg.type_vocab_size < 2))
     if missing:
         raise ValueError(f"{path} lacks tensors the encoder needs: {missing[:5]}{' ...' if len(missing) > 5 else ''}.")
