@@ -284,3 +284,26 @@ def test_paged_decode_attention_takes_strided_rows():
     wide[:, :6] = q                      # q as a view into a wider row, as the decode stack passes it
     got = kernels.paged_decode_attention(wide[:, :6], kc, vc, tables, lens_t, 0.125)
     assert torch.equal(got, kernels.paged_decode_attention(q, kc, vc, tables, lens_t, 0.125))
+
+
+@pytest.mark.parametrize("lens, heads, d", [([7, 2, 11, 7, 1, 33], 12, 32), ([5, 17, 64, 65], 4, 64),
+                                            ([3], 2, 16), ([130, 9], 2, 128), ([48, 48, 48], 3, 48)])
+def test_encoder_attention_equals_sdpa_per_input(lens, heads, d):
+    """Bidirectional attention within each input of a ragged batch (models/encoder.py): lengths off
+    the kernel's key chunks and row tiles, one-token inputs, head sizes 16-128."""
+    torch.manual_seed(len(lens) + d)
+    q, k, v = (torch.randn(sum(lens), heads, d) * 2 for _ in range(3))
+    starts = torch.tensor([0, *lens]).cumsum(0)
+    got = kernels.encoder_attention(q, k, v, starts, d ** -0.5)
+    want = torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)))[0]
+                      .transpose(0, 1) for s, e in zip(starts[:-1].tolist(), starts[1:].tolist())])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=3e-5)  # float32 sums in another order
+
+
+def test_encoder_attention_rejects_what_it_cannot_run():
+    q = torch.randn(4, 2, 8)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.encoder_attention(q, q, q, torch.tensor([0, 4]), 1.0)
+    q = torch.randn(4, 2, 16)
+    with pytest.raises(RuntimeError, match="from 0 to T"):
+        kernels.encoder_attention(q, q, q, torch.tensor([0, 3]), 1.0)

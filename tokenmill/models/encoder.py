@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.layers.linear import Linear
 
 _ACTS = {"gelu": F.gelu, "silu": F.silu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -124,12 +125,18 @@ class EncoderLayer(nn.Module):
         self.act = _ACTS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, runs: list[tuple[torch.Tensor | None, int]],
-                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None, starts: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """`runs`: the inputs of each length (`_same_length_runs`); `rope`: each token's rotary
-        (cos, sin), (T, 1, head_dim) each, where the model has rotary positions."""
+        (cos, sin), (T, 1, head_dim) each, where the model has rotary positions; `starts`: where
+        each input begins (and T), when tokenmill's encoder attention kernel runs this batch."""
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)   # (T, H, D) each
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
+        if starts is not None:
+            a = kernels.encoder_attention(q, k, v, starts, self.head_dim ** -0.5)
+            x = self.attn_norm(x + self.attn_out(a.view(x.shape)))
+            return self._mlp(x)
         a = torch.empty_like(q)
         for idx, n in runs:
             # the inputs of one length as a batch (B, H, n, D), each attending over itself only, both
@@ -142,7 +149,9 @@ class EncoderLayer(nn.Module):
             else:
                 a[idx] = out
         a = a.reshape(x.shape)
-        x = self.attn_norm(x + self.attn_out(a))
+        return self._mlp(self.attn_norm(x + self.attn_out(a)))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         u = self.up(x)
         u = self.act(u[:, :self.inter]) * u[:, self.inter:] if self.gated else self.act(u)
         return self.out_norm(x + self.down(u))
@@ -205,8 +214,11 @@ class Encoder(nn.Module):
             rope = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x = self.embed_norm(x)
         runs = _same_length_runs(lengths, x.device)
+        starts = None
+        if kernels.encoder_attention_for(x, self.cfg.hidden_size // self.cfg.num_heads):
+            starts = torch.tensor([0, *lengths]).cumsum(0)  # the kernel: every input in one call
         for layer in self.layers:
-            x = layer(x, runs, rope)
+            x = layer(x, runs, rope, starts)
         return x
 
     def classify(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
