@@ -171,18 +171,22 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def encoder_attention_for(x: torch.Tensor, head_dim: int) -> bool:
-    """Whether encoder_attention serves these activations: float32 outside autograd, a head size
-    of 16s, an AVX-512 variant (the AVX2 build of the kernel keeps its register tiles on the
-    stack and runs several times slower than SDPA: SDPA serves there)."""
-    return (head_dim % 16 == 0 and head_dim <= 256 and usable_for(x)
+    """Whether encoder_attention serves these activations: float32 or bfloat16 (widened for the
+    kernel: the attention of a bfloat16 encoder then sums in float32) outside autograd, a head size
+    of 16s, an AVX-512 variant (the AVX2 build of the kernel keeps its register tiles on the stack
+    and runs several times slower than SDPA: SDPA serves there)."""
+    return (head_dim % 16 == 0 and head_dim <= 256 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
             and isa() in ("avx512", "avx512vnni", "amx"))
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Bidirectional attention within each input of a ragged batch: q, k, v (T, H, D) float32,
-    input i's tokens at starts[i]..starts[i+1]-1 -> (T, H, D)."""
-    return torch.ops.tokenmill.encoder_attention(q.contiguous(), k.contiguous(), v.contiguous(), starts, scale)
+    """Bidirectional attention within each input of a ragged batch: q, k, v (T, H, D) float32 (or
+    bfloat16, widened), input i's tokens at starts[i]..starts[i+1]-1 -> (T, H, D) in q's dtype."""
+    dtype = q.dtype
+    q, k, v = (t.float().contiguous() for t in (q, k, v))
+    return torch.ops.tokenmill.encoder_attention(q, k, v, starts, scale).to(dtype)
 
 
 def usable_for(x: torch.Tensor) -> bool:
