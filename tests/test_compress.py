@@ -380,6 +380,7 @@ def test_distillation_lowers_the_kl_and_resumes_exactly(tiny_llama, tmp_path, mo
     (["quantize", "--method", "fp8"], "--method must be one of"),
     (["quantize", "--method", "gptq", "--hessian-shrink", "1"], "--hessian-shrink must lie in [0, 1)"),
     (["quantize", "--method", "awq", "--act-order"], "it does not apply to awq"),
+    (["quantize", "--method", "gptq", "--awq-clip"], "it does not apply to gptq"),
     (["quantize", "--method", "rtn-int4", "--output-format", "gguf"], "not one"),
     (["prune", "--method", "wanda", "--sparsity", "1.0"], "strictly between 0 and 1"),
     (["prune", "--method", "magnitude", "--sparsity", "0"], "strictly between 0 and 1"),

@@ -104,8 +104,9 @@ def add_compress_parsers(sub) -> None:
     q.add_argument("--hessian-shrink", type=float, default=0.25,
                    help="GPTQ: pull X^T X's off-diagonal toward 0 by this fraction (0: plain GPTQ; robustness to text "
                         "unlike the calibration's)")
-    q.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=True,
-                   help="AWQ: search each group's clipping range after the scales (default: on)")
+    q.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=False,
+                   help="AWQ: also search each group's clipping range after the scales (default: off; "
+                        "benchmarks/quantize_ood.sh measures both)")
     q.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="the calibration's matrix products (auto: bfloat16 where the CPU has AVX512-BF16 or AMX)")
     q.add_argument("--output-format", default="safetensors", choices=["safetensors", "gguf"],
