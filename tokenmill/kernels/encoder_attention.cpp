@@ -1,7 +1,7 @@
 // Bidirectional attention of an encoder (models/encoder.py): every token of an input attends to every
 // token of the same input, inputs back to back. Why not SDPA's fused CPU kernel: at the 32-wide heads
-// of the small embedders (bge-small, MiniLM) its flash schedule runs at about a third of the FMA
-// peak and takes most of a 512-token input's time (benchmarks/RESULTS.md §6). An input's keys fit
+// of the small embedders (bge-small, MiniLM) its flash schedule, built for keys that do not fit the
+// cache, spends most of a 512-token input's time (benchmarks/RESULTS.md §6). An input's keys fit
 // the cache whole (512 x 32 floats is 64 KiB), so no online softmax is needed: per (input, head) the
 // keys are transposed once, then each tile of query rows computes its row of scores against all
 // keys (one K^T vector load feeds a tile's FMAs), takes the softmax over the row, and multiplies it

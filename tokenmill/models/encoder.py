@@ -213,10 +213,11 @@ class Encoder(nn.Module):
             angles = torch.cat((angles, angles), dim=-1)[:, None, :]               # (T, 1, D)
             rope = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x = self.embed_norm(x)
-        runs = _same_length_runs(lengths, x.device)
-        starts = None
+        runs, starts = [], None
         if kernels.encoder_attention_for(x, self.cfg.hidden_size // self.cfg.num_heads):
             starts = torch.tensor([0, *lengths]).cumsum(0)  # the kernel: every input in one call
+        else:
+            runs = _same_length_runs(lengths, x.device)
         for layer in self.layers:
             x = layer(x, runs, rope, starts)
         return x
