@@ -10,6 +10,8 @@ rows (BATCH sequences of START tokens) through the paged decode kernel. SmolLM2'
                                               # caches: DRAM-resident, as in a model's decode step
     python benchmarks/attention_bench.py --start 3840 --new 256 --heads 24 --kv-heads 8 --head-dim 128
                                               # the last chunk of a 4k prompt on a Llama-3.2-3B shape
+    python benchmarks/attention_bench.py --start 2000 --batch 16 --layers 30 --kv-dtype int8
+                                              # the 8-bit caches (int8, fp8_e5m2) against float16
 On the amx variant the prompt chunk also runs on AMX tiles (amx_kernel).
 """
 import argparse
@@ -19,7 +21,7 @@ import time
 import torch
 
 from tokenmill import kernels
-from tokenmill.layers.attention import _attend, gather_blocks
+from tokenmill.layers.attention import EIGHT_BIT, _attend, read_blocks, store_kv_quantized
 from tokenmill.utils import huge_page_zeros
 
 ap = argparse.ArgumentParser()
@@ -32,6 +34,8 @@ ap.add_argument("--head-dim", type=int, default=64)
 ap.add_argument("--block-size", type=int, default=16)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--small-pages", action="store_true", help="caches in plain 4 KiB pages (torch.randn) instead")
+ap.add_argument("--kv-dtype", default="float16", choices=["float32", "float16", "int8", "fp8_e5m2"],
+                help="the cache's dtype, as --kv-cache-dtype")
 ap.add_argument("--layers", type=int, default=1,
                 help="decode over this many layers' caches (scattered blocks of their own), one step's worth")
 a = ap.parse_args()
@@ -43,12 +47,20 @@ width = -(-(a.start + a.new) // bs)
 num_blocks = max(width, a.batch * -(-a.start // bs)) + 8
 
 
+kv_dtype = torch.float8_e5m2 if a.kv_dtype == "fp8_e5m2" else getattr(torch, a.kv_dtype)
+row_width = d + 4 if kv_dtype == torch.int8 else d
+
+
 def cache() -> torch.Tensor:
-    """A KV cache as the engine allocates it (huge pages where THP allows), filled at random."""
-    if a.small_pages:
-        return torch.randn(num_blocks, bs, a.kv_heads, d).half()
-    c = huge_page_zeros((num_blocks, bs, a.kv_heads, d), torch.half)
-    return c.copy_(torch.randn(c.shape))
+    """A KV cache as the engine allocates it (huge pages where THP allows), filled at random (8-bit
+    caches: rows quantized as the engine writes them)."""
+    shape = (num_blocks, bs, a.kv_heads, row_width)
+    c = torch.zeros(shape, dtype=kv_dtype) if a.small_pages else huge_page_zeros(shape, kv_dtype)
+    x = torch.randn(num_blocks * bs, a.kv_heads, d)
+    if kv_dtype in EIGHT_BIT:
+        store_kv_quantized(x, x, c, c, torch.arange(num_blocks * bs), use_kernel=False)
+        return c
+    return c.copy_(x.view(shape))
 
 
 kc, vc = cache(), cache()
@@ -58,7 +70,7 @@ mask = torch.arange(width * bs)[None, :] <= torch.arange(a.start, a.start + a.ne
 
 
 def gather_sdpa():
-    k, v = gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float()
+    k, v = read_blocks(kc, table[None], d, torch.float32), read_blocks(vc, table[None], d, torch.float32)
     return _attend(q[None], k, v, scale, mask[None, None])[0]
 
 
@@ -97,11 +109,11 @@ def timed(fn, reps: int = 30) -> float:
 assert (gather_sdpa() - context_kernel()).abs().max() < 1e-4
 chunk_flop = 4 * a.new * a.heads * d * (a.start + (a.new + 1) / 2)
 decode_flop = 4 * a.batch * a.heads * d * a.start * a.layers
-row = {"start": a.start, "new": a.new, "batch": a.batch, "layers": a.layers}
+row = {"start": a.start, "new": a.new, "batch": a.batch, "layers": a.layers, "kv_dtype": a.kv_dtype}
 runs = [("gather_sdpa", gather_sdpa, chunk_flop), ("context_kernel", context_kernel, chunk_flop)]
 if a.start:  # decode rows over START cached tokens
     runs.append(("decode_kernel", decode_kernel, decode_flop))
-if kernels.amx():
+if kernels.amx() and kv_dtype in (torch.float32, torch.float16):
     assert (gather_sdpa() - amx_kernel()).abs().max() < 5e-2  # Q, K, V, P rounded to bfloat16
     runs.insert(2, ("amx_kernel", amx_kernel, chunk_flop))
 for name, fn, flop in runs:
@@ -109,6 +121,6 @@ for name, fn, flop in runs:
     row[f"{name}_us"] = round(t * 1e6, 1)
     row[f"{name}_gflops"] = round(flop / t / 1e9, 1)
 if a.start:
-    kv_bytes = 2 * a.batch * a.start * a.kv_heads * d * kc.element_size() * a.layers  # K and V rows read
+    kv_bytes = 2 * a.batch * a.start * a.kv_heads * row_width * kc.element_size() * a.layers  # K and V rows read
     row["decode_kernel_kv_GBps"] = round(kv_bytes / (row["decode_kernel_us"] * 1e-6) / 1e9, 1)
 print(json.dumps(row))

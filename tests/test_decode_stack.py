@@ -28,7 +28,7 @@ def generate(llm: LLM) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize("quantization,kv", [("none", "float32"), ("int8", "auto"), ("int4", "auto"),
-                                             ("int4", "float32")])
+                                             ("int4", "float32"), ("int4", "int8"), ("none", "fp8_e5m2")])
 def test_stack_equals_the_python_layers(tiny_model, quantization, kv):
     if not kernels.available():
         pytest.fail("tokenmill's CPU kernels did not build (see the warning above)")

@@ -81,8 +81,9 @@ def test_bad_engine_options(tiny_llama):
         LLM(tiny_llama, dtype="float8", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="cannot read 'lots' as a size"):
         LLM(tiny_llama, kv_cache_memory="lots", skip_tokenizer_init=True)
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, float16 or bfloat16; got 'int8'"):
-        LLM(tiny_llama, kv_cache_dtype="int8", skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, float16, bfloat16, int8, "
+                                         "fp8_e5m2; got 'q4_0'"):
+        LLM(tiny_llama, kv_cache_dtype="q4_0", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="activation_bits must be auto, 8 or 16, got 4"):
         LLM(tiny_llama, activation_bits=4, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="threads must be a positive number of CPU threads, got 0"):

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill import kernels
-from tokenmill.layers.attention import decode_reference
+from tokenmill.layers.attention import EIGHT_BIT, decode_reference, store_kv_quantized
 from tokenmill.quant import int4, int8
 
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="TOKENMILL_KERNELS=0")
@@ -150,12 +150,27 @@ def test_linear_rejects_mismatched_shapes():
         kernels.int4_linear(torch.randn(2, 32), w)
 
 
+KV_DTYPES = [torch.float32, torch.float16, torch.int8, torch.float8_e5m2]
+
+
+def _cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Random K or V values (num_blocks, bs, Hkv, D) as a cache of `dtype` (8-bit: rows quantized as
+    the engine's PyTorch path writes them)."""
+    if dtype not in EIGHT_BIT:
+        return x.to(dtype)
+    nb, bs, h, d = x.shape
+    cache = torch.zeros(nb, bs, h, d + 4 if dtype == torch.int8 else d, dtype=dtype)
+    rows = x.reshape(-1, h, d)
+    store_kv_quantized(rows, rows, cache, torch.zeros_like(cache), torch.arange(nb * bs), use_kernel=False)
+    return cache
+
+
 def _paged(b, lens, bs, hq, hkv, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     widths = [-(-n // bs) for n in lens]
     num_blocks = sum(widths) + 5
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    k_cache = _cache(torch.randn(num_blocks, bs, hkv, d, generator=g), dtype)
+    v_cache = _cache(torch.randn(num_blocks, bs, hkv, d, generator=g), dtype)
     perm = torch.randperm(num_blocks, generator=g)  # blocks scattered over the cache
     width = max(widths)
     tables = torch.zeros(b, width, dtype=torch.long)
@@ -169,7 +184,7 @@ def _paged(b, lens, bs, hq, hkv, d, dtype, seed):
     return q, k_cache, v_cache, tables, lens_t, mask
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("lens,bs,hq,hkv,d", [
     ([1, 16, 17, 300], 16, 9, 3, 64),    # SmolLM2's heads; block edges; one token
     ([70, 5], 32, 8, 2, 128),            # blocks longer than the 16-token chunk
@@ -185,7 +200,7 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
     scale = d ** -0.5
     if window:
         mask = mask & (torch.arange(mask.shape[-1]) >= (lens_t - window)[:, None, None, None])
-    ref = decode_reference(q, kc, vc, tables, mask, scale)
+    ref = decode_reference(q, kc, vc, tables, mask, scale, head_dim=d)
     if window:  # blocks wholly before a sliding window are never read: they may have been handed back
         for i, n in enumerate(lens):
             tables[i, :max(0, n - window) // bs] = -1
@@ -194,7 +209,7 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
     assert (got - ref).abs().max() <= 2e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("start,n,bs,hq,hkv,d", [
     (1008, 48, 16, 9, 3, 64),   # SmolLM2: a question after a cached 1,000-token prompt
     (0, 37, 16, 9, 3, 64),      # no earlier context: plain causal
@@ -205,12 +220,12 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
 @pytest.mark.parametrize("window", [0, 9, 40])
 def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, d, dtype, window,
                                                         integer_kernels):
-    from tokenmill.layers.attention import _attend, gather_blocks
+    from tokenmill.layers.attention import _attend, read_blocks
     g = torch.Generator().manual_seed(start + n)
     width = -(-(start + n) // bs)
     num_blocks = width + 6
-    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    kc = _cache(torch.randn(num_blocks, bs, hkv, d, generator=g), dtype)
+    vc = _cache(torch.randn(num_blocks, bs, hkv, d, generator=g), dtype)
     table = torch.randperm(num_blocks, generator=g)[:width]
     q = torch.randn(n, hq, d, generator=g)
     scale = d ** -0.5
@@ -218,8 +233,8 @@ def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, 
     mask = torch.arange(width * bs)[None, :] <= q_pos
     if window:
         mask &= torch.arange(width * bs)[None, :] > q_pos - window
-    ref = _attend(q[None], gather_blocks(kc, table[None]).float(), gather_blocks(vc, table[None]).float(),
-                  scale, mask[None, None])[0]
+    ref = _attend(q[None], read_blocks(kc, table[None], d, torch.float32),
+                  read_blocks(vc, table[None], d, torch.float32), scale, mask[None, None])[0]
     if window:  # blocks wholly before the first query's window are never read
         table = table.clone()
         table[:max(0, start - window + 1) // bs] = -1
@@ -228,6 +243,35 @@ def test_paged_context_attention_equals_gather_then_sdpa(start, n, bs, hq, hkv, 
     assert (got - ref).abs().max() <= 2e-5
     with pytest.raises(RuntimeError, match="does not cover"):
         kernels.paged_context_attention(q, kc, vc, table[:-1], start, scale, window)
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_store_kv_writes_rows_as_pytorch_rounds_them(dtype):
+    """The kernels' cache writes (one pass per row, also the decode stack's) equal the PyTorch path's
+    bit for bit: round to nearest even, int8 by the row's max |x| / 127, a zero row scale 0; and read
+    back within half a step."""
+    from tokenmill.layers.attention import read_blocks, store_kv
+    g = torch.Generator().manual_seed(3)
+    hkv, d, bs, nb = 3, 64, 16, 4
+    width = d + 4 if dtype == torch.int8 else d
+    k = torch.randn(20, hkv, d, generator=g) * 3
+    v = torch.randn(20, hkv * 2, d, generator=g)[:, :hkv]  # strided token rows, as views into qkv are
+    k[0, 1] = 0.0  # an all-zero row
+    k[1, 0, :4] = torch.tensor([0.5, 1.5, -2.5, 1e-30]) * (k[1, 0].abs().max() / 127)  # ties at the scale
+    slots = torch.randperm(nb * bs, generator=g)[:20]
+    kc, vc = torch.zeros(nb, bs, hkv, width, dtype=dtype), torch.zeros(nb, bs, hkv, width, dtype=dtype)
+    kernels.store_kv(k, v, kc, vc, slots)
+    kr, vr = torch.zeros_like(kc), torch.zeros_like(vc)
+    if dtype in EIGHT_BIT:
+        store_kv_quantized(k, v, kr, vr, slots, use_kernel=False)
+    else:
+        store_kv(k.to(dtype), v.to(dtype), kr, vr, slots)
+    assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+    back = read_blocks(kc, torch.arange(nb)[None], d, torch.float32)[0][slots]
+    step = {torch.int8: k.abs().amax(-1, keepdim=True) / 127, torch.float8_e5m2: k.abs() / 4,
+            torch.float16: k.abs() / 1024, torch.float32: 0 * k}[dtype]
+    assert ((back - k).abs() <= step / 2 + 1e-30).all()
+    assert back[0, 1].abs().max() == 0
 
 
 def test_paged_decode_attention_rejects_bad_block_ids():

@@ -89,6 +89,9 @@ class ModelConfig:
 CPU_KV_CACHE_BYTES = 2 << 30  # the KV budget on CPU when none is given
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata=_help("tokens per KV cache block"))
@@ -99,17 +102,18 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata=_help(
         "reuse the KV blocks of prompts that share a prefix with earlier ones"))
     kv_cache_dtype: str = field(default="auto", metadata=_help(
-        "auto | float32 | float16 | bfloat16: what K/V are stored as. auto: float16 on CPU (decode attention "
-        "reads half the bytes; attention always sees K/V as stored, so a cached prefix reads what a computed "
-        "one would), the model's dtype on CUDA"))
+        "auto | float32 | float16 | bfloat16 | int8 | fp8_e5m2: what K/V are stored as. auto: float16 on CPU "
+        "(decode attention reads half the bytes; attention always sees K/V as stored, so a cached prefix reads "
+        "what a computed one would), the model's dtype on CUDA. int8: a scale per token and head (D + 4 bytes "
+        "per head), fp8_e5m2: float16's top byte; both hold about twice the tokens of float16 in the same memory"))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
-        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16; got {self.kv_cache_dtype!r}.")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}.")
         if self.kv_cache_memory is not None:
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
 

@@ -165,7 +165,8 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     whose K/V are already in the cache; block_table (W,) int64 -> (T, Hq, D), causal (and within
     `window` positions when window > 0)."""
     q = q.contiguous()
-    if AMX["min_rows"] and q.shape[0] >= AMX["min_rows"] and q.shape[2] % 32 == 0:  # both products on tiles
+    if (AMX["min_rows"] and q.shape[0] >= AMX["min_rows"] and q.shape[2] % 32 == 0  # both products on tiles
+            and k_cache.dtype in (torch.float32, torch.float16)):  # 8-bit caches: the FMA kernel widens them
         return torch.ops.tokenmill.amx_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
     return torch.ops.tokenmill.paged_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
 
@@ -222,10 +223,25 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.silu_mul(gate_up)
 
 
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Each token's K/V rows, k/v (T, Hkv, D) float32, into its cache slot in the cache's format
+    (float32, float16, fp8_e5m2 rounded to nearest even; int8 with a float32 scale per row)."""
+    torch.ops.tokenmill.store_kv(_heads_contiguous(k), _heads_contiguous(v), k_cache, v_cache, slots)
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+
+
+KV_DTYPES = (torch.float32, torch.float16, torch.int8, torch.float8_e5m2)  # caches the kernels read
+
+
 def supports_attention(q_dtype: torch.dtype, cache: torch.Tensor, num_heads: int) -> bool:
-    """What the paged attention kernels handle: float32 queries, float32/float16 CPU caches, head_dim a
-    multiple of 16 up to 256, up to 16 query heads per KV head."""
-    hkv, d = cache.shape[2:]
-    return (cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.float16) and q_dtype == torch.float32
+    """What the paged attention kernels handle: float32 queries, float32/float16/int8/fp8_e5m2 CPU caches
+    (an int8 cache's rows: head_dim + 4 bytes), head_dim a multiple of 16 up to 256, up to 16 query heads
+    per KV head."""
+    hkv, d = cache.shape[2], cache.shape[3] - (4 if cache.dtype == torch.int8 else 0)
+    return (cache.device.type == "cpu" and cache.dtype in KV_DTYPES and q_dtype == torch.float32
             and d % LANES == 0 and d <= 256 and num_heads % hkv == 0 and num_heads // hkv <= 16
             and cache.is_contiguous() and available())

@@ -248,6 +248,8 @@ at::Tensor amx_context_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                  const at::Tensor& block_table, int64_t start, double scale, int64_t window) {
   TORCH_CHECK(amx_status().empty(), amx_status());
   check_caches(k_cache, v_cache);
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf,
+              "the AMX context kernel reads float32 and float16 caches (8-bit ones: paged_context_attention)");
   check_heads(q, k_cache);
   TORCH_CHECK(q.is_contiguous() && q.size(2) % 32 == 0, "q must be contiguous, head_dim a multiple of 32");
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong && block_table.is_contiguous(),

@@ -1,6 +1,7 @@
 // Paged decode attention over tokenmill's KV cache (one query token per sequence), K/V read from
-// their blocks in place (no gather into a padded batch, no widened copy of the context), float32
-// or float16 cache; prefill over a cached context is context_attention.cpp's.
+// their blocks in place (no gather into a padded batch, no widened copy of the context), float32,
+// float16, int8 or fp8 cache (attention.h); prefill over a cached context is context_attention.cpp's.
+// And the writing of K/V rows into the cache, in its format (store_kv).
 #include <type_traits>
 #include <vector>
 
@@ -26,9 +27,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                       at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  const int64_t G = Hq / Hkv, row = Hkv * D;
+  const KvBlocks<T> L(k_cache);
+  const int64_t G = Hq / Hkv, row = L.row;
   const float* qp = q.data_ptr<float>();
-  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+  const T *kp = kv_data<T>(k_cache), *vp = kv_data<T>(v_cache);
   const int64_t *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -47,8 +49,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t j = pos / bs, off = pos % bs, n = std::min({bs - off, kLanes, len - pos});
         const int64_t blk = tp[b * W + j];
         TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-        const T* kb = kp + (blk * bs + off) * row + h * D;
-        const T* vb = vp + (blk * bs + off) * row + h * D;
+        const T *kb = kp + L.at(blk, off, h), *vb = vp + L.at(blk, off, h);
+        const int64_t sat = L.scale_at(blk, off, h);  // int8: the rows' scales, L.step apart
         for (int64_t g = 0; g < G; ++g)
           for (int64_t t = n; t < kLanes; ++t) s[g][t] = neg_inf;
         for (int64_t t = 0; t < n; ++t) {
@@ -58,6 +60,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
             v16f d0 = load(qg) * load_kv(kt);
             for (int64_t d = kLanes; d < D; d += kLanes) d0 += load(qg + d) * load_kv(kt + d);
             s[g][t] = hsum(d0) * scale;
+            if constexpr (kv_scaled<T>) s[g][t] *= kv_scale(kp + sat + t * L.step);
           }
         }
         for (int64_t g = 0; g < G; ++g) {
@@ -76,7 +79,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           l[g] += hsum(p);
           for (int64_t d = 0; d < D; d += kLanes) {
             v16f a = load(ag + d);
-            for (int64_t t = 0; t < n; ++t) a += splat(p[t]) * load_kv(vb + t * row + d);
+            for (int64_t t = 0; t < n; ++t) {
+              float pt = p[t];
+              if constexpr (kv_scaled<T>) pt *= kv_scale(vp + sat + t * L.step);
+              a += splat(pt) * load_kv(vb + t * row + d);
+            }
             store(ag + d, a, kLanes);
           }
         }
@@ -99,14 +106,16 @@ struct DecodeItems {
   const T *k, *v;
   const int64_t *tables, *lens;
   float* out;
+  KvBlocks<T> L;
   int64_t B, Hq, D, Hkv, num_blocks, bs, W, q_stride, row, lines, window;
 
   DecodeItems(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_tables,
               const at::Tensor& context_lens, int64_t window_, at::Tensor& out_)
-      : q(q_.data_ptr<float>()), k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()),
+      : q(q_.data_ptr<float>()), k(kv_data<T>(k_cache)), v(kv_data<T>(v_cache)),
         tables(block_tables.data_ptr<int64_t>()), lens(context_lens.data_ptr<int64_t>()), out(out_.data_ptr<float>()),
+        L(k_cache),
         B(q_.size(0)), Hq(q_.size(1)), D(q_.size(2)), Hkv(k_cache.size(2)), num_blocks(k_cache.size(0)),
-        bs(k_cache.size(1)), W(block_tables.size(1)), q_stride(q_.stride(0)), row(Hkv * D),
+        bs(k_cache.size(1)), W(block_tables.size(1)), q_stride(q_.stride(0)), row(L.row),
         lines((D * static_cast<int64_t>(sizeof(T)) + 63) / 64), window(window_) {}
 
   int64_t len(int64_t b) const {
@@ -117,11 +126,19 @@ struct DecodeItems {
   // the first of the item's G query rows (rows may be strided: a view into qkv)
   const float* query(int64_t b, int64_t h, int G) const { return q + b * q_stride + h * G * D; }
   float* output(int64_t b, int64_t h, int G) const { return out + (b * Hq + h * G) * D; }
-  // where position pos's K (and V) row for head h starts in the caches
-  int64_t offset(int64_t b, int64_t h, int64_t pos) const {
+  int64_t block(int64_t b, int64_t pos) const {
     const int64_t blk = tables[b * W + pos / bs];
     TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-    return (blk * bs + pos % bs) * row + h * D;
+    return blk;
+  }
+  // where position pos's K (and V) row for head h starts in the caches; its scale (int8)
+  int64_t offset(int64_t b, int64_t h, int64_t pos) const { return L.at(block(b, pos), pos % bs, h); }
+  int64_t scale_offset(int64_t b, int64_t h, int64_t pos) const { return L.scale_at(block(b, pos), pos % bs, h); }
+  // int8: the scales of n rows from the one at `off` (they follow the block's values: lines of their own)
+  void prefetch_scales(int64_t off, int64_t n) const {
+    const char *kn = reinterpret_cast<const char*>(k + off), *vn = reinterpret_cast<const char*>(v + off);
+    for (int64_t c = 0; c < (n - 1) * L.step + 4; c += 64) _mm_prefetch(kn + c, _MM_HINT_T0), _mm_prefetch(vn + c, _MM_HINT_T0);
+    _mm_prefetch(kn + (n - 1) * L.step, _MM_HINT_T0), _mm_prefetch(vn + (n - 1) * L.step, _MM_HINT_T0);
   }
   void prefetch(int64_t off) const {
     const char *kn = reinterpret_cast<const char*>(k + off), *vn = reinterpret_cast<const char*>(v + off);
@@ -172,9 +189,12 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
       for (int64_t pos = it.first(len); pos < len; pos += std::min(bs - pos % bs, kLanes), at = next_at) {  // 16-token chunks
         const int64_t n = std::min({bs - pos % bs, kLanes, len - pos}), next = pos + n;
         const T *kb = it.k + at, *vb = it.v + at;
+        const int64_t sat = kv_scaled<T> ? it.scale_offset(b, h, pos) : 0;
         if (next < len) {  // the next chunk's rows
           next_at = it.offset(b, h, next);
-          for (int64_t t = 0, nn = std::min({bs - next % bs, kLanes, len - next}); t < nn; ++t) it.prefetch(next_at + t * row);
+          const int64_t nn = std::min({bs - next % bs, kLanes, len - next});
+          for (int64_t t = 0; t < nn; ++t) it.prefetch(next_at + t * row);
+          if constexpr (kv_scaled<T>) it.prefetch_scales(it.scale_offset(b, h, next), nn);
         }
         for (int64_t t = 0; t < kLanes; ++t) {
           if (t >= n) {
@@ -186,6 +206,10 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
           for (int64_t c = 0; c < C; ++c) {
             const __m512 k = __m512(load_kv(kb + t * row + c * kLanes));
             for (int g = 0; g < G; ++g) d[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + g * D + c * kLanes), k, d[g]);
+          }
+          if constexpr (kv_scaled<T>) {  // the row's scale, once per token (sums are linear in it)
+            const __m512 sk = _mm512_set1_ps(kv_scale(it.k + sat + t * it.L.step));
+            for (int g = 0; g < G; ++g) d[g] = _mm512_mul_ps(d[g], sk);
           }
           for (int g = 0; g < G; ++g) part[g][t] = d[g];
         }
@@ -205,6 +229,11 @@ void decode_attention_group(const at::Tensor& q, const at::Tensor& k_cache, cons
           l[g] += _mm512_reduce_add_ps(e);
           _mm512_store_ps(p[g], e);
         }
+        if constexpr (kv_scaled<T>)  // int8: the V rows' scales ride on the probabilities
+          for (int64_t t = 0; t < n; ++t) {
+            const float sv = kv_scale(it.v + sat + t * it.L.step);
+            for (int g = 0; g < G; ++g) p[g][t] *= sv;
+          }
         for (int64_t c = 0; c < C; ++c) {
           __m512 a[G];
           for (int g = 0; g < G; ++g) a[g] = _mm512_load_ps(acc + g * D + c * kLanes);
@@ -250,7 +279,8 @@ inline __m128 reduce4(const __m256* a) {
 // s[g][t] = scale * q_g . k_t for GT heads and TT (4 or 1) tokens; k rows (cache dtype) at stride ld,
 // each 8-element piece widened once for the GT heads
 template <int GT, int TT, typename T>
-void score_tile(const float* q, int64_t D, const T* k, int64_t ld, float scale, float* s, int64_t lds) {
+void score_tile(const float* q, int64_t D, const T* k, int64_t ld, float scale, const T* ks, int64_t kstep, float* s,
+                int64_t lds) {
   __m256 acc[GT][TT];
   for (int g = 0; g < GT; ++g)
     for (int t = 0; t < TT; ++t) acc[g][t] = _mm256_setzero_ps();
@@ -259,17 +289,23 @@ void score_tile(const float* q, int64_t D, const T* k, int64_t ld, float scale, 
       const __m256 kv = load_kv8(k + t * ld + c);
       for (int g = 0; g < GT; ++g) acc[g][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + c), kv, acc[g][t]);
     }
-  for (int g = 0; g < GT; ++g) {
-    if constexpr (TT == 4) _mm_storeu_ps(s + g * lds, _mm_mul_ps(reduce4(acc[g]), _mm_set1_ps(scale)));
-    else s[g * lds] = hsum8(acc[g][0]) * scale;
+  if constexpr (TT == 4) {
+    __m128 sc = _mm_set1_ps(scale);
+    if constexpr (kv_scaled<T>)  // int8: the 4 rows' scales (ks: the first's, kstep apart)
+      sc = _mm_mul_ps(sc, _mm_setr_ps(kv_scale(ks), kv_scale(ks + kstep), kv_scale(ks + 2 * kstep), kv_scale(ks + 3 * kstep)));
+    for (int g = 0; g < GT; ++g) _mm_storeu_ps(s + g * lds, _mm_mul_ps(reduce4(acc[g]), sc));
+  } else {
+    const float sc = kv_scaled<T> ? scale * kv_scale(ks) : scale;
+    for (int g = 0; g < GT; ++g) s[g * lds] = hsum8(acc[g][0]) * sc;
   }
 }
 
 template <int GT, typename T>
-void score_heads(const float* q, int64_t D, const T* k, int64_t ld, int64_t m, float scale, float* s, int64_t lds) {
+void score_heads(const float* q, int64_t D, const T* k, int64_t ld, int64_t m, float scale, const T* ks, int64_t kstep,
+                 float* s, int64_t lds) {
   int64_t t = 0;
-  for (; t + 4 <= m; t += 4) score_tile<GT, 4>(q, D, k + t * ld, ld, scale, s + t, lds);
-  for (; t < m; ++t) score_tile<GT, 1>(q, D, k + t * ld, ld, scale, s + t, lds);
+  for (; t + 4 <= m; t += 4) score_tile<GT, 4>(q, D, k + t * ld, ld, scale, ks + t * kstep, kstep, s + t, lds);
+  for (; t < m; ++t) score_tile<GT, 1>(q, D, k + t * ld, ld, scale, ks + t * kstep, kstep, s + t, lds);
 }
 
 // o[g][0 .. 16) += sum_t p[g][t] v_t[0 .. 16) for GT heads, n tokens (v rows, cache dtype, at stride ld)
@@ -301,9 +337,10 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
                             int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), W = block_tables.size(1);
-  const int64_t G = Hq / Hkv, row = Hkv * D, q_stride = q.stride(0);
+  const KvBlocks<T> L(k_cache);
+  const int64_t G = Hq / Hkv, row = L.row, q_stride = q.stride(0);
   const float* qp = q.data_ptr<float>();
-  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+  const T *kp = kv_data<T>(k_cache), *vp = kv_data<T>(v_cache);
   const int64_t *tp = block_tables.data_ptr<int64_t>(), *lp = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   // items: every sequence's runs of positions [first, len) cut at multiples of kSplit
@@ -329,11 +366,14 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
         const int64_t p1 = std::min(len, (p0 / kSplit + 1) * kSplit), n = p1 - p0;
         const float* qb = qp + b * q_stride;
         // chunks: positions [pos, pos + m) within one block
-        auto chunk_at = [&](const T* cache, int64_t pos) {
+        auto block_of = [&](int64_t pos) {
           const int64_t blk = tp[b * W + pos / bs];
           TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-          return cache + (blk * bs + pos % bs) * row;
+          return blk;
         };
+        auto chunk_at = [&](const T* cache, int64_t pos) { return cache + L.at(block_of(pos), pos % bs, 0); };
+        // int8: head h's scale of the chunk's token t at [h * 4 + t * L.step]
+        auto scales_at = [&](const T* cache, int64_t pos) { return cache + L.scale_at(block_of(pos), pos % bs, 0); };
         auto chunk_len = [&](int64_t pos) { return std::min({bs - pos % bs, kDecodeChunk, p1 - pos}); };
         auto for_chunks = [&](const T* cache, auto&& body) {
           const T* src = chunk_at(cache, p0);
@@ -344,20 +384,25 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
               const char* a = reinterpret_cast<const char*>(after);
               const int64_t bytes = chunk_len(next) * row * static_cast<int64_t>(sizeof(T));
               for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(a + c, _MM_HINT_T1);
+              if constexpr (kv_scaled<T>) {  // and their scales (int8), after the block's values
+                const char* sc = reinterpret_cast<const char*>(scales_at(cache, next));
+                for (int64_t c = 0; c < chunk_len(next) * L.step; c += 64) _mm_prefetch(sc + c, _MM_HINT_T1);
+              }
             }
-            body(src, pos - p0, m);
+            body(src, pos - p0, pos, m);
             pos = next, src = after;
           }
         };
-        for_chunks(kp, [&](const T* kc, int64_t at, int64_t m) {
+        for_chunks(kp, [&](const T* kc, int64_t at, int64_t pos, int64_t m) {
+          const T* ks = kv_scaled<T> ? scales_at(kp, pos) : kc;  // int8: head h's scales from ks + 4 h
           for (int64_t h = 0; h < Hkv; ++h)
             for (int64_t g = 0; g < G;) {
               const float* qg = qb + (h * G + g) * D;
               float* sg = s.data() + (h * G + g) * lds + at;
-              const T* kr = kc + h * D;
-              if (G - g >= 3) score_heads<3>(qg, D, kr, row, m, scale, sg, lds), g += 3;
-              else if (G - g == 2) score_heads<2>(qg, D, kr, row, m, scale, sg, lds), g += 2;
-              else score_heads<1>(qg, D, kr, row, m, scale, sg, lds), g += 1;
+              const T *kr = kc + h * D, *kh = ks + h * kv_pad<T>;
+              if (G - g >= 3) score_heads<3>(qg, D, kr, row, m, scale, kh, L.step, sg, lds), g += 3;
+              else if (G - g == 2) score_heads<2>(qg, D, kr, row, m, scale, kh, L.step, sg, lds), g += 2;
+              else score_heads<1>(qg, D, kr, row, m, scale, kh, L.step, sg, lds), g += 1;
             }
         });
         float* stats = parts.empty() ? nullptr : parts.data() + item * Hq * (D + 2);
@@ -379,7 +424,20 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
           mx[hq] = m1, sum[hq] = hsum8(l8);
         }
         std::fill(o.begin(), o.end(), 0.f);
-        for_chunks(vp, [&](const T* vc, int64_t at, int64_t m) {
+        for_chunks(vp, [&](const T* vc, int64_t at, int64_t pos, int64_t m) {
+          if constexpr (kv_scaled<T>) {  // int8: each token's V scale on its probabilities (summed above already)
+            const T* vs = scales_at(vp, pos);
+            for (int64_t h = 0; h < Hkv; ++h) {
+              alignas(32) float sv[kDecodeChunk];
+              for (int64_t t = 0; t < m; ++t) sv[t] = kv_scale(vs + h * kv_pad<T> + t * L.step);
+              for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
+                float* ph = s.data() + hq * lds + at;  // past m: the next chunk's
+                int64_t t = 0;
+                for (; t + 8 <= m; t += 8) _mm256_storeu_ps(ph + t, _mm256_mul_ps(_mm256_loadu_ps(ph + t), _mm256_load_ps(sv + t)));
+                for (; t < m; ++t) ph[t] *= sv[t];
+              }
+            }
+          }
           for (int64_t h = 0; h < Hkv; ++h)
             for (int64_t g = 0; g < G;) {
               const int64_t hq = h * G + g;
@@ -468,8 +526,9 @@ bool decode_attention_fast(const at::Tensor&, const at::Tensor&, const at::Tenso
 void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
   const auto kv = k_cache.scalar_type();
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == kv &&
-              (kv == at::kFloat || kv == at::kHalf) && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "caches must be float32 or float16 (num_blocks, block_size, Hkv, D)");
+              (kv == at::kFloat || kv == at::kHalf || kv == at::kChar || kv == at::kFloat8_e5m2) &&
+              k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "caches must be float32, float16, int8 or float8_e5m2 (num_blocks, block_size, Hkv, D)");
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -483,13 +542,28 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.size(0) == B && context_lens.numel() == B, "one block table and length per sequence");
   at::Tensor out = at::empty(q.sizes(), q.options());
   const float sc = static_cast<float>(scale);
-  if (k_cache.scalar_type() == at::kFloat) {
-    if (!decode_attention_fast<float>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out))
-      decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out);
-  } else if (!decode_attention_fast<at::Half>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out)) {
-    decode_attention<at::Half>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out);
-  }
+  with_kv_type(k_cache, [&](auto tag) {
+    using T = decltype(tag);
+    if (!decode_attention_fast<T>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out))
+      decode_attention<T>(q, k_cache, v_cache, block_tables, context_lens, sc, window, out);
+  });
   return out;
+}
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+  check_caches(k_cache, v_cache);
+  const int64_t D = cache_head_dim(k_cache), Hkv = k_cache.size(2), B = slots.numel();
+  for (const at::Tensor* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->size(0) == B && x->size(1) == Hkv &&
+                x->size(2) == D && x->stride(2) == 1 && x->stride(1) == D,
+                "k and v must be float (T, Hkv, D) with each token's heads contiguous, one slot per token");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slots must be int64");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  with_kv_type(k_cache, [&](auto tag) {
+    using T = decltype(tag);
+    store_kv_rows(k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), slots.data_ptr<int64_t>(), B,
+                  KvBlocks<T>(k_cache), num_slots, kv_data_mut<T>(k_cache), kv_data_mut<T>(v_cache));
+  });
 }
 
 }  // namespace tokenmill
@@ -497,8 +571,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
+  m.impl("store_kv", &tokenmill::store_kv);
 }

@@ -1,5 +1,6 @@
 // Paged attention of a prompt chunk over its cached context (a prefix-cache hit, or a later chunk
-// of a chunked prefill), K/V read from their blocks in place, float32 or float16 cache.
+// of a chunked prefill), K/V read from their blocks in place, float32, float16, int8 or fp8 cache
+// (each chunk's rows are widened, and an int8 cache's scaled, once into the item's float tiles).
 #include <limits>
 #include <vector>
 
@@ -200,15 +201,22 @@ void chunk_rows(const float* qt, int64_t ldq, const int64_t* skip, const int64_t
 
 #endif
 
-// kt[d * kChunk + t] = key t's element d, widened; zero past the chunk's end (null rows). AVX-512:
-// 16 x 16 tiles transposed in registers (transpose16) instead of 16 x D scalar moves per tile.
+// A cached row widened: 16 elements at p, times the row's scale for an int8 cache (s: 1 otherwise).
 template <typename T>
-void transpose_keys(const T* const* krow, int64_t D, float* kt) {
+inline v16f load_row(const T* p, float s) {
+  if constexpr (kv_scaled<T>) return load_kv(p) * splat(s);
+  else return load_kv(p);
+}
+
+// kt[d * kChunk + t] = key t's element d, widened (int8: times ks[t]); zero past the chunk's end (null rows).
+// AVX-512: 16 x 16 tiles transposed in registers (transpose16) instead of 16 x D scalar moves per tile.
+template <typename T>
+void transpose_keys(const T* const* krow, const float* ks, int64_t D, float* kt) {
 #if defined(__AVX512F__)
   for (int64_t tb = 0; tb < kChunk; tb += kLanes)
     for (int64_t db = 0; db < D; db += kLanes) {
       __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = krow[tb + i] ? __m512(load_kv(krow[tb + i] + db)) : _mm512_setzero_ps();
+      for (int i = 0; i < 16; ++i) r[i] = krow[tb + i] ? __m512(load_row(krow[tb + i] + db, ks[tb + i])) : _mm512_setzero_ps();
       transpose16(r);
       for (int j = 0; j < 16; ++j) _mm512_store_ps(kt + (db + j) * kChunk + tb, r[j]);
     }
@@ -216,7 +224,10 @@ void transpose_keys(const T* const* krow, int64_t D, float* kt) {
   for (int64_t tb = 0; tb < kChunk; tb += 8)  // 8 x 8 tiles: unpack, shuffle, swap 128-bit halves
     for (int64_t db = 0; db < D; db += 8) {
       __m256 r[8], t[8], u[8];
-      for (int i = 0; i < 8; ++i) r[i] = krow[tb + i] ? load_kv8(krow[tb + i] + db) : _mm256_setzero_ps();
+      for (int i = 0; i < 8; ++i) {
+        r[i] = krow[tb + i] ? load_kv8(krow[tb + i] + db) : _mm256_setzero_ps();
+        if constexpr (kv_scaled<T>) r[i] = _mm256_mul_ps(r[i], _mm256_set1_ps(ks[tb + i]));
+      }
       for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
       for (int i = 0; i < 8; i += 4) {
         u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
@@ -230,7 +241,7 @@ void transpose_keys(const T* const* krow, int64_t D, float* kt) {
 #else
   for (int64_t t = 0; t < kChunk; ++t)
     for (int64_t d = 0; d < D; d += kLanes) {
-      const v16f k = krow[t] ? load_kv(krow[t] + d) : v16f{};
+      const v16f k = krow[t] ? load_row(krow[t] + d, ks[t]) : v16f{};
       for (int64_t j = 0; j < kLanes; ++j) kt[(d + j) * kChunk + t] = k[j];
     }
 #endif
@@ -247,15 +258,17 @@ void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
                        const at::Tensor& block_table, int64_t start, float scale, int64_t window, at::Tensor& out) {
   const int64_t Tq = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv, row = Hkv * D, ntiles = (Tq + kQueryTile - 1) / kQueryTile;
+  const KvBlocks<T> L(k_cache);
+  const int64_t G = Hq / Hkv, ntiles = (Tq + kQueryTile - 1) / kQueryTile;
   const float* qp = q.data_ptr<float>();
-  const T *kp = k_cache.data_ptr<T>(), *vp = v_cache.data_ptr<T>();
+  const T *kp = kv_data<T>(k_cache), *vp = kv_data<T>(v_cache);
   const int64_t* tp = block_table.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, Hkv * ntiles, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) float kt[kMaxHeadDim * kChunk];  // kt[d * kChunk + t]: the chunk's keys, transposed
     alignas(64) float vb[kChunk * kMaxHeadDim];  // vb[t * D + d]
     const T* krow[kChunk];                        // the chunk's key rows in the cache (null: past its end)
+    float ks[kChunk];                             // their scales (int8 caches)
     const int64_t max_rows = kQueryTile * G;
     std::vector<float> acc(max_rows * D), mx(max_rows);
     std::vector<v16f> l(max_rows);
@@ -279,11 +292,13 @@ void context_attention(const at::Tensor& q, const at::Tensor& k_cache, const at:
         for (int64_t t = 0; t < kChunk; ++t) {
           const int64_t blk = t < n ? tp[(pos + t) / bs] : 0;
           TORCH_CHECK(blk >= 0 && blk < num_blocks, "block id out of range");
-          const int64_t at = (blk * bs + (pos + t) % bs) * row + h * D;
+          const int64_t at = L.at(blk, (pos + t) % bs, h), sat = L.scale_at(blk, (pos + t) % bs, h);
           krow[t] = t < n ? kp + at : nullptr;
-          for (int64_t d = 0; d < D; d += kLanes) store(vb + t * D + d, t < n ? load_kv(vp + at + d) : v16f{}, kLanes);
+          ks[t] = kv_scaled<T> && t < n ? kv_scale(kp + sat) : 1.f;
+          const float vs = kv_scaled<T> && t < n ? kv_scale(vp + sat) : 1.f;
+          for (int64_t d = 0; d < D; d += kLanes) store(vb + t * D + d, t < n ? load_row(vp + at + d, vs) : v16f{}, kLanes);
         }
-        transpose_keys(krow, D, kt);
+        transpose_keys(krow, ks, D, kt);
         // tokens before pos - start see none of this chunk (causal); the rest up to their position
         const int64_t r0 = std::max<int64_t>(0, pos - start - first) * G;
         for (int64_t r = r0; r < rows; ++r) {
@@ -318,10 +333,9 @@ at::Tensor paged_context_attention(const at::Tensor& q, const at::Tensor& k_cach
   TORCH_CHECK(start >= 0 && start + q.size(0) <= block_table.size(0) * k_cache.size(1),
               "the block table does not cover the context");
   at::Tensor out = at::empty_like(q);
-  if (k_cache.scalar_type() == at::kFloat)
-    context_attention<float>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), window, out);
-  else
-    context_attention<at::Half>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), window, out);
+  with_kv_type(k_cache, [&](auto tag) {
+    context_attention<decltype(tag)>(q, k_cache, v_cache, block_table, start, static_cast<float>(scale), window, out);
+  });
   return out;
 }
 

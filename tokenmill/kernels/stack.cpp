@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "amx.h"
+#include "attention.h"
 #include "ops.h"
 #include "shm.h"
 
@@ -101,21 +102,6 @@ struct Layer {
   bool complete() const { return num_experts ? proj.size() == 2 && expert_proj.size() == expert_projections() : proj.size() == 4; }
 };
 
-// Writes each token's K and V rows (Hkv*D floats at row stride ld) into its cache slot, converted
-// to the cache's dtype as Tensor.to does (round to nearest even).
-template <typename T>
-void store_rows(const float* k, const float* v, int64_t ldk, int64_t ldv, const int64_t* slots, int64_t B,
-                int64_t row, int64_t num_slots, T* kc, T* vc) {
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t slot = slots[b];
-    TORCH_CHECK(slot >= 0 && slot < num_slots, "cache slot out of range");
-    for (int64_t i = 0; i < row; ++i) {
-      kc[slot * row + i] = static_cast<T>(k[b * ldk + i]);
-      vc[slot * row + i] = static_cast<T>(v[b * ldv + i]);
-    }
-  }
-}
-
 // Sums t over the ranks of a tensor-parallel group, in place, through the dispatcher's c10d
 // functional ops (the group found by the name torch.distributed registered it under), so the
 // kernels need no link to c10d. As TPGroup.all_reduce does from Python.
@@ -146,7 +132,7 @@ class DecodeStack : public torch::CustomClassHolder {
                  int64_t rope, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
                  c10::optional<at::Tensor> attn_out_norm, c10::optional<at::Tensor> mlp_out_norm) {
     check_caches(k_cache, v_cache);
-    TORCH_CHECK(k_cache.size(2) == hkv_ && k_cache.size(3) == d_, "caches must have ", hkv_, " heads of ", d_);
+    TORCH_CHECK(k_cache.size(2) == hkv_ && cache_head_dim(k_cache) == d_, "caches must have ", hkv_, " heads of ", d_);
     TORCH_CHECK(window >= 0 && (rope == 0 || rope == 1), "bad window or rotary index");
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
     TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(), "output norms come together");
@@ -233,7 +219,7 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(!layers_.empty() && layers_.back().complete(), "the stack is incomplete");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be float (B, hidden)");
     h = h.clone();  // the residual stream, updated in place
-    const int64_t B = h.size(0), qkv_n = (hq_ + 2 * hkv_) * d_, row = hkv_ * d_;
+    const int64_t B = h.size(0), qkv_n = (hq_ + 2 * hkv_) * d_;
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
                 "one int64 cache slot per sequence");
     for (const Layer& L : layers_) {
@@ -249,12 +235,12 @@ class DecodeStack : public torch::CustomClassHolder {
                                    local ? *cos_local : cos, local ? *sin_local : sin);
       const int64_t num_slots = L.k_cache.size(0) * L.k_cache.size(1);
       const float *kp = qk.data_ptr<float>() + hq_ * d_, *vp = qkv.data_ptr<float>() + (hq_ + hkv_) * d_;
-      if (L.k_cache.scalar_type() == at::kHalf)
-        store_rows(kp, vp, (hq_ + hkv_) * d_, qkv_n, slots.data_ptr<int64_t>(), B, row, num_slots,
-                   L.k_cache.data_ptr<at::Half>(), L.v_cache.data_ptr<at::Half>());
-      else
-        store_rows(kp, vp, (hq_ + hkv_) * d_, qkv_n, slots.data_ptr<int64_t>(), B, row, num_slots,
-                   L.k_cache.data_ptr<float>(), L.v_cache.data_ptr<float>());
+      at::Tensor kc = L.k_cache, vc = L.v_cache;
+      with_kv_type(kc, [&](auto tag) {  // in the cache's format (attention.h)
+        using T = decltype(tag);
+        store_kv_rows(kp, vp, (hq_ + hkv_) * d_, qkv_n, slots.data_ptr<int64_t>(), B, KvBlocks<T>(kc), num_slots,
+                      kv_data_mut<T>(kc), kv_data_mut<T>(vc));
+      });
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_, L.window);
       const at::Tensor a = row_parallel(L.proj[1], o.view({B, hq_ * d_}));

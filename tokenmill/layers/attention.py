@@ -17,6 +17,9 @@ from torch import nn
 
 from tokenmill import kernels
 
+INT8_SCALE_BYTES = 4  # an int8 cache row's float32 scale, stored after its values
+EIGHT_BIT = (torch.int8, torch.float8_e5m2)  # caches whose rows are quantized as they are written
+
 
 @dataclass
 class PrefillSegment:
@@ -89,12 +92,16 @@ class Attention(nn.Module):
         meta = get_forward_context()
         if meta is None or self.k_cache is None:
             return self._dense(q, k, v)
-        if k.dtype != self.k_cache.dtype:  # attend to K/V exactly as stored, cached or fresh
-            k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        out = q.new_empty(q.shape)
         if self.use_kernel is None:
             self.use_kernel = self.softcap is None and kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
+        eight_bit = self.k_cache.dtype in EIGHT_BIT
+        if eight_bit:  # quantized as written; attention then reads them back from the cache, fresh or not
+            store_kv_quantized(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.use_kernel)
+        else:
+            if k.dtype != self.k_cache.dtype:  # attend to K/V exactly as stored, cached or fresh
+                k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
+            store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape)
         if meta.decode_idx is not None:
             qd = q if meta.all_decode else q[meta.decode_idx]              # (B, Hq, D)
             if self.use_kernel:  # reads the blocks in place
@@ -106,7 +113,7 @@ class Attention(nn.Module):
                     first = (meta.decode_context_lens - self.window)[:, None, None, None]
                     mask = mask & (torch.arange(mask.shape[-1], device=mask.device) >= first)
                 od = decode_reference(qd, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                      mask, self.scale, self.softcap)
+                                      mask, self.scale, self.softcap, self.head_dim)
             if meta.all_decode:
                 return od
             out[meta.decode_idx] = od
@@ -115,13 +122,16 @@ class Attention(nn.Module):
             if self.use_kernel:  # reads the context's blocks in place
                 out[seg.q_start:seg.q_end] = kernels.paged_context_attention(
                     qs, self.k_cache, self.v_cache, seg.block_table, seg.start, self.scale, self.window)
-            elif seg.start == 0:
+            elif seg.start == 0 and not eight_bit:
                 out[seg.q_start:seg.q_end] = self._dense(qs, k[seg.q_start:seg.q_end].to(q.dtype),
                                                          v[seg.q_start:seg.q_end].to(q.dtype))
             else:
-                kc = gather_blocks(self.k_cache, seg.block_table[None]).to(q.dtype)
-                vc = gather_blocks(self.v_cache, seg.block_table[None]).to(q.dtype)
+                kc = read_blocks(self.k_cache, seg.block_table[None], self.head_dim, q.dtype)
+                vc = read_blocks(self.v_cache, seg.block_table[None], self.head_dim, q.dtype)
                 mask = seg.mask
+                if mask is None:  # a first chunk read back from an 8-bit cache: causal over its own keys
+                    mask = torch.arange(kc.shape[1], device=qs.device)[None, :] <= \
+                        torch.arange(qs.shape[0], device=qs.device)[:, None]
                 if self.window:
                     q_pos = torch.arange(seg.start, seg.start + qs.shape[0], device=mask.device)
                     mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] > q_pos[:, None] - self.window)
@@ -147,12 +157,71 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
+def store_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, use_kernel: bool) -> None:
+    """Write each token's K/V into an 8-bit cache, quantized as they are written: on CPU in one pass
+    per row by the kernels' store_kv, elsewhere (or where the kernels do not serve) by PyTorch ops
+    that round the same way."""
+    if use_kernel and k.dtype == torch.float32:
+        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        return
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        values, scales = quantize_rows(x, cache.dtype)
+        if scales is None:  # fp8: whole rows, as bytes (index_copy_ has no float8 kernels)
+            cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, values.view(torch.uint8))
+            continue
+        data, scale = int8_blocks(cache)
+        blk, off = slot_mapping // cache.shape[1], slot_mapping % cache.shape[1]
+        data[blk, off] = values
+        scale[blk, off] = scales
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(T, H, D) -> (values, scales) in an 8-bit cache's format. int8: q = round(x / s) with
+    s = max|x| / 127 per row (one token's head; a zero row: s = 0), scales (T, H) float32;
+    fp8_e5m2: a cast (nearest even), no scales."""
+    x = x.float()
+    if dtype != torch.int8:
+        return x.to(dtype), None
+    s = x.abs().amax(dim=-1) / 127.0
+    nz = s[..., None] > 0
+    q = torch.where(nz, torch.round(x / torch.where(nz, s[..., None], 1.0)).clamp(-127, 127), 0.0)
+    return q.to(torch.int8), s
+
+
+def int8_blocks(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 cache (num_blocks, bs, H, D + 4) as what its blocks hold: (num_blocks, bs, H, D) values,
+    then (num_blocks, bs, H) float32 scales, each block's values before its scales (kernels/attention.h:
+    rows on the cache-line boundaries a float16 cache's have)."""
+    nb, bs, h, w = cache.shape
+    d = w - INT8_SCALE_BYTES
+    flat = cache.view(nb, bs * h * w)
+    return flat[:, :bs * h * d].view(nb, bs, h, d), flat[:, bs * h * d:].view(torch.float32).view(nb, bs, h)
+
+
+def dequantize_blocks(blocks: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cache blocks (N, bs, H, width) in any cache dtype -> their values (N, bs, H, head_dim) as `dtype`."""
+    if blocks.dtype != torch.int8:
+        return blocks.to(dtype)
+    data, scales = int8_blocks(blocks)
+    return (data.float() * scales[..., None]).to(dtype)
+
+
+def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The contexts of `block_tables` (B, nb) as values: (B, nb*bs, Hkv, head_dim) in `dtype`."""
+    b, nb = block_tables.shape
+    blocks = torch.index_select(cache.view(cache.shape[0], -1), 0, block_tables.reshape(-1)).view(-1, *cache.shape[1:])
+    return dequantize_blocks(blocks, head_dim, dtype).view(b, nb * cache.shape[1], *cache.shape[2:3], head_dim)
+
+
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     mask: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+                     mask: torch.Tensor, scale: float, softcap: float | None = None,
+                     head_dim: int | None = None) -> torch.Tensor:
     """Gather-then-SDPA decode: copies every context into a padded (B, L, Hkv, D) batch first.
     The path for caches the kernel does not take (CUDA, bfloat16) and its reference in tests."""
-    kd = gather_blocks(k_cache, block_tables).to(q.dtype)  # (B, L, Hkv, D)
-    vd = gather_blocks(v_cache, block_tables).to(q.dtype)
+    d = q.shape[-1] if head_dim is None else head_dim
+    kd = read_blocks(k_cache, block_tables, d, q.dtype)  # (B, L, Hkv, D)
+    vd = read_blocks(v_cache, block_tables, d, q.dtype)
     if softcap is not None:
         return _attend(q[:, None], kd, vd, scale, mask, softcap)[:, 0]
     return _sdpa_decode(q, kd, vd, scale, mask)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.config import CPU_KV_CACHE_BYTES
+from tokenmill.layers.attention import INT8_SCALE_BYTES
 from tokenmill.models.arch import ArchConfig
 from tokenmill.utils import huge_page_zeros
 
@@ -13,11 +14,19 @@ def resolve_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.d
     widens to float32 as it loads); the model's dtype elsewhere."""
     if kv_cache_dtype == "auto":
         return torch.float16 if device.type == "cpu" else model_dtype
+    if kv_cache_dtype == "fp8_e5m2":
+        return torch.float8_e5m2
     return getattr(torch, kv_cache_dtype)
 
 
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one head's K (or V) row in the cache: an int8 row carries its float32 scale in
+    4 bytes after its values (layers/attention.py quantize_rows), next to the data the kernels read."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+
+
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * dtype.itemsize
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * row_width(arch.head_dim, dtype) * dtype.itemsize
 
 
 def cpu_budget(kv_cache_memory: int | None, device: torch.device) -> int:
@@ -49,8 +58,8 @@ def num_blocks_for(arch: ArchConfig, block_size: int, dtype: torch.dtype, device
 
 def allocate(arch: ArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
              device: torch.device) -> torch.Tensor:
-    """(2, num_layers, num_blocks, block_size, num_kv_heads, head_dim): [0] keys, [1] values."""
-    shape = (2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    """(2, num_layers, num_blocks, block_size, num_kv_heads, row_width): [0] keys, [1] values."""
+    shape = (2, arch.num_layers, num_blocks, block_size, arch.num_kv_heads, row_width(arch.head_dim, dtype))
     if device.type == "cpu":
         return huge_page_zeros(shape, dtype, touched_now=False)  # scattered block reads: one TLB entry per 2 MiB
     return torch.zeros(shape, dtype=dtype, device=device)
