@@ -217,12 +217,13 @@ def draft_of(model: str, **kw) -> dict:
     {"max_num_batched_tokens": 24},                              # drafts beside prefill chunks, budget cut
     {"kv_cache_memory": "40KiB", "block_size": 4},               # preemption forced by a small cache
     {"enable_prefix_caching": False, "max_num_seqs": 3},
-], ids=["plain", "chunked", "preempt", "nocache"])
+    {"kv_cache_dtype": "int8", "kv_cache_memory": "24KiB", "block_size": 4},  # an 8-bit cache, preempted
+], ids=["plain", "chunked", "preempt", "nocache", "int8-preempt"])
 def test_greedy_with_drafts_equals_greedy_without(tiny_llama, engine_kw, proposer):
     prompts = repetitive_prompts(12)
     params = [SamplingParams(temperature=0, max_tokens=30 + 3 * i, ignore_eos=True) for i in range(12)]
     if proposer == "draft" and "kv_cache_memory" in engine_kw:  # the draft's cache (as large) shares the budget
-        engine_kw = {**engine_kw, "kv_cache_memory": "80KiB"}
+        engine_kw = {**engine_kw, "kv_cache_memory": "48KiB" if "kv_cache_dtype" in engine_kw else "80KiB"}
     base, _, _ = generate(tiny_llama, prompts, params, **engine_kw)
     spec, metrics, llm = generate(tiny_llama, prompts, params, NGRAM if proposer == "ngram" else draft_of(tiny_llama),
                                   **engine_kw)

@@ -104,7 +104,8 @@ def test_tp2_equals_tp1_float32(tiny_model, chunk, integer_kernels):
     assert_same(ref, got, 1e-4)
 
 
-def test_tp2_int4_checkpoint(tiny_llama, tmp_path, integer_kernels):
+@pytest.mark.parametrize("kv", ["auto", "int8"])
+def test_tp2_int4_checkpoint(tiny_llama, tmp_path, integer_kernels, kv):
     from tokenmill.compress import export
     from tokenmill.compress import quantize as quant
     from tokenmill.models import loader
@@ -117,7 +118,7 @@ def test_tp2_int4_checkpoint(tiny_llama, tmp_path, integer_kernels):
     out = str(tmp_path / "int4")
     with export.atomic_output_dir(out) as tmp:
         export.write_checkpoint(tmp, loaded.arch, None, tensors, "float32", qcfg.hf_quantization_config())
-    kw = dict(kv_cache_memory="64MiB", activation_bits=8)
+    kw = dict(kv_cache_memory="64MiB", activation_bits=8, kv_cache_dtype=kv)  # int8: each rank's heads' own scales
     ref, _ = run(out, 1, **kw)
     got, engine = run(out, 2, **kw)
     kinds = {type(m.qweight).__name__ for m in engine.runner.model.modules() if getattr(m, "qweight", None) is not None}

@@ -112,7 +112,7 @@ class LLMEngine:
         self.block_size = cc.block_size
         self.block_manager = BlockManager(sc.max_num_seqs * cdiv(self.max_model_len, cc.block_size), cc.block_size,
                                           enable_prefix_caching=False)
-        self.kv_capacity_tokens = 0
+        self.kv_capacity_tokens, self.kv_num_blocks, self.kv_cache_dtype = 0, 0, "none"
         # an input runs whole in one step: the step's budget holds at least the longest one
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, max(sc.max_num_batched_tokens, self.max_model_len),
                                                    self.max_model_len, sc.scheduling_policy, whole_prompts=True),
@@ -177,11 +177,12 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
                                                    sc.scheduling_policy, window, sc.long_prefill_slowdown),
                                    self.block_manager, policy)
-        self.kv_capacity_tokens = num_blocks * cc.block_size
+        self.kv_capacity_tokens, self.kv_num_blocks = num_blocks * cc.block_size, num_blocks
+        self.kv_cache_dtype = kv_cache.dtype_name(self.kv_dtype)
         log.info("loaded %s (%s, %d layers) on %s in %.1fs%s; KV cache %d blocks x %d = %d tokens (%.2f GiB, %s)",
                  self.model_path, self.arch.family, self.arch.num_layers, self.device, time.monotonic() - t0,
                  " (packed weights mapped from the weight cache)" if loaded.from_cache else "",
-                 num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30, str(self.kv_dtype)[6:])
+                 num_blocks, cc.block_size, self.kv_capacity_tokens, budget / 2**30, self.kv_cache_dtype)
 
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,

@@ -19,6 +19,11 @@ def resolve_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.d
     return getattr(torch, kv_cache_dtype)
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The --kv-cache-dtype name of a cache dtype (float16, int8, fp8_e5m2, ...)."""
+    return "fp8_e5m2" if dtype == torch.float8_e5m2 else str(dtype).removeprefix("torch.")
+
+
 def row_width(head_dim: int, dtype: torch.dtype) -> int:
     """Elements of one head's K (or V) row in the cache: an int8 row carries its float32 scale in
     4 bytes after its values (layers/attention.py quantize_rows), next to the data the kernels read."""

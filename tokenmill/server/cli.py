@@ -70,6 +70,7 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
     engine = client.engine
     names = args.served_model_names or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
+    metrics.set_cache_config(engine.kv_capacity_tokens, engine.block_size, engine.kv_num_blocks, engine.kv_cache_dtype)
     client.stat_logger = metrics.record
     app = build_app(client, ServerConfig.from_args(args, served_model_names=names, api_keys=keys), metrics)
     from tokenmill import kernels
@@ -79,7 +80,7 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
         cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations)" \
             if kernels.isa() and engine.activation_bits else ", CPU kernels PyTorch"
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
-          f"KV cache {engine.kv_capacity_tokens} tokens, max_model_len {engine.max_model_len}{cpu}"
+          f"KV cache {engine.kv_capacity_tokens} tokens ({engine.kv_cache_dtype}), max_model_len {engine.max_model_len}{cpu}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **door,
                                            timeout_keep_alive=args.timeout_keep_alive))

@@ -49,9 +49,19 @@ class Metrics:
         self.spec_accepted_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
                                          "Draft tokens accepted, by position in the draft", labels + ["position"],
                                          registry=r)
+        self.kv_capacity = Gauge(p + "kv_cache_capacity_tokens", "Tokens the KV cache holds", labels, registry=r)
+        # vLLM's cache_config_info: the cache's settings as labels, value 1
+        self.cache_info = Gauge(p + "cache_config_info", "KV cache configuration", labels + ["block_size", "num_gpu_blocks",
+                                                                                        "cache_dtype"], registry=r)
         self.labels = {"model_name": model_name}
         for reason in ("stop", "length", "abort"):
             self.success.labels(**self.labels, finished_reason=reason)
+
+    def set_cache_config(self, capacity_tokens: int, block_size: int, num_blocks: int, cache_dtype: str) -> None:
+        """Once at start-up: what the KV cache holds (0 tokens for an encoder, which keeps none)."""
+        self.kv_capacity.labels(**self.labels).set(capacity_tokens)
+        self.cache_info.labels(**self.labels, block_size=str(block_size), num_gpu_blocks=str(num_blocks),
+                               cache_dtype=cache_dtype).set(1)
 
     def record(self, st) -> None:
         """Called from the engine thread after each step with its StepStats."""
