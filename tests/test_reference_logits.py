@@ -120,3 +120,28 @@ def test_perplexity_equals_transformers_loss(tiny_llama):
     assert math.isclose(whole["perplexity"], math.exp(loss), rel_tol=1e-4)
     sliding = perplexity(lm.model, ids, context_len=32, stride=16, progress=False)
     assert sliding["tokens_scored"] == 89
+
+
+def test_perplexity_through_a_paged_cache(tiny_llama):
+    """`eval ppl --kv-cache-dtype`: windows fed in chunks through a paged cache. A float32 cache gives
+    the dense number (the chunks' attention reads back exactly what was computed); 8-bit caches move it
+    a little and not at all the same way; the model's own caches are put back after."""
+    import math
+
+    from tokenmill.compress.evaluate import paged_cache, perplexity
+
+    lm = loader.load(tiny_llama, "float32", torch.device("cpu"), load_tokenizer=False)
+    ids = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(7)).tolist()
+    dense = perplexity(lm.model, ids, context_len=64, stride=32, progress=False)["perplexity"]
+    got = {}
+    for kv in ["float32", "float16", "int8", "fp8_e5m2"]:
+        with paged_cache(lm.model, kv, context_len=64, chunk=10) as scorer:
+            got[kv] = perplexity(lm.model, ids, context_len=64, stride=32, progress=False, scorer=scorer)["perplexity"]
+    assert math.isclose(got["float32"], dense, rel_tol=1e-5)
+    assert got["int8"] != dense and got["fp8_e5m2"] != got["int8"]
+    for kv in ["float16", "int8", "fp8_e5m2"]:
+        assert math.isclose(got[kv], dense, rel_tol=0.05), got
+    assert all(a.k_cache is None for a in lm.model.attention_layers())
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        with paged_cache(lm.model, "q4_0", context_len=64):
+            pass

@@ -26,16 +26,22 @@ def add_eval_parser(sub) -> None:
     pp.add_argument("--quantization-group-size", type=int, default=32)
     pp.add_argument("--activation-bits", default="auto", type=lambda v: v if v == "auto" else int(v),
                     help="auto | 16 | 8 (as for serving)")
+    pp.add_argument("--kv-cache-dtype", default=None, choices=["float32", "float16", "bfloat16", "int8", "fp8_e5m2"],
+                    help="score through a paged KV cache of this dtype, each window fed --kv-chunk tokens at a time "
+                         "(attention reads earlier tokens' K/V back from the cache, as a server's does); default: "
+                         "no cache, attention over float K/V")
+    pp.add_argument("--kv-chunk", type=int, default=32, help="tokens per forward pass with --kv-cache-dtype")
     pp.add_argument("--output-json", default=None)
     pp.set_defaults(func=cmd_eval)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    import contextlib
     import os
 
     import torch
 
-    from tokenmill.compress.evaluate import chunked_perplexity, perplexity
+    from tokenmill.compress.evaluate import chunked_perplexity, paged_cache, perplexity
     from tokenmill.models import loader
     from tokenmill.utils import default_model_path, resolve_device
 
@@ -53,13 +59,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.max_tokens:
         ids = ids[:args.max_tokens]
     torch.manual_seed(0)
-    if chunks:
-        bos = loaded.tokenizer.encode("", add_special_tokens=True)
-        result = chunked_perplexity(loaded.model, ids, args.context_len, bos[0] if bos else None)
-    else:
-        result = perplexity(loaded.model, ids, args.context_len, args.stride)
+    paged = paged_cache(loaded.model, args.kv_cache_dtype, args.context_len, args.kv_chunk) \
+        if args.kv_cache_dtype else contextlib.nullcontext(None)
+    with paged as scorer:
+        if chunks:
+            bos = loaded.tokenizer.encode("", add_special_tokens=True)
+            result = chunked_perplexity(loaded.model, ids, args.context_len, bos[0] if bos else None, scorer=scorer)
+        else:
+            result = perplexity(loaded.model, ids, args.context_len, args.stride, scorer=scorer)
     result.update(model=model_path, data=os.path.abspath(data), quantization=args.quantization,
-                  activation_bits=loaded.activation_bits)
+                  activation_bits=loaded.activation_bits, kv_cache_dtype=args.kv_cache_dtype or "none",
+                  kv_chunk=args.kv_chunk if args.kv_cache_dtype else None)
     emit_json(result, args.output_json)
     return 0
 

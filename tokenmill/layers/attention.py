@@ -17,8 +17,16 @@ from torch import nn
 
 from tokenmill import kernels
 
-INT8_SCALE_BYTES = 4  # an int8 cache row's float32 scale, stored after its values
+INT8_SCALE_BYTES = 4  # an int8 cache row's float32 scale, stored after its block's values
 EIGHT_BIT = (torch.int8, torch.float8_e5m2)  # caches whose rows are quantized as they are written
+CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8,
+                "fp8_e5m2": torch.float8_e5m2}  # --kv-cache-dtype names
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """A cache's last dimension: head_dim, and for int8 the 4 bytes of each row's float32 scale (kept
+    after the block's values: `int8_blocks`)."""
+    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.config import CPU_KV_CACHE_BYTES
-from tokenmill.layers.attention import INT8_SCALE_BYTES
+from tokenmill.layers.attention import CACHE_DTYPES, row_width
 from tokenmill.models.arch import ArchConfig
 from tokenmill.utils import huge_page_zeros
 
@@ -14,20 +14,12 @@ def resolve_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.d
     widens to float32 as it loads); the model's dtype elsewhere."""
     if kv_cache_dtype == "auto":
         return torch.float16 if device.type == "cpu" else model_dtype
-    if kv_cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
-    return getattr(torch, kv_cache_dtype)
+    return CACHE_DTYPES[kv_cache_dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The --kv-cache-dtype name of a cache dtype (float16, int8, fp8_e5m2, ...)."""
-    return "fp8_e5m2" if dtype == torch.float8_e5m2 else str(dtype).removeprefix("torch.")
-
-
-def row_width(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one head's K (or V) row in the cache: an int8 row carries its float32 scale in
-    4 bytes after its values (layers/attention.py quantize_rows), next to the data the kernels read."""
-    return head_dim + INT8_SCALE_BYTES if dtype == torch.int8 else head_dim
+    return next(name for name, d in CACHE_DTYPES.items() if d == dtype)
 
 
 def bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
