@@ -5,7 +5,8 @@
 #   ppl    perplexity through the paged cache (`eval ppl --kv-cache-dtype`, windows of 512 / stride 256
 #          fed 32 tokens at a time) on WikiText-2 test and a code text (CPython's argparse.py), first
 #          TOKENS tokens, for each model in MODELS; llama-perplexity on the same file and text, f16 / q8_0
-#   agree  greedy agreement with float16 on the MT-Bench first turns (kv_cache_agreement.py)
+#   agree  greedy agreement with float16 on the MT-Bench first turns (kv_cache_agreement.py), float32 as the
+#          noise floor (a cache more precise than float16)
 #   attn   decode attention alone, per step (every layer's cache, scattered blocks): attention_bench.py on
 #          the shapes of the default model, Qwen2.5-0.5B, Llama-3.2-1B and -3B, 16 x 2000 and 1 x 16000
 #   decode whole decode steps: 16 streams at 2,000 tokens of context (default model, Qwen) and one at
@@ -45,8 +46,9 @@ for part in $PARTS; do
     done ;;
   agree)
     for model in $MODELS; do
+      # float32 too: how far a cache of more precision than float16 drifts (the noise floor)
       "$PY" "$HERE/kv_cache_agreement.py" --model "$model" --questions "$SHARED/data/mt_bench/question.jsonl" \
-        --dtypes "$(echo $DTYPES | tr ' ' ,)" 2>/dev/null |
+        --dtypes "float16,float32,$(echo $DTYPES | tr ' ' '\n' | grep -v '^float16$' | paste -sd,)" 2>/dev/null |
         jq_py 'import json,sys; [print(json.dumps({"model": sys.argv[1], **json.loads(l)})) for l in sys.stdin]' "$(basename "$model")" >> "$out"
     done ;;
   attn)

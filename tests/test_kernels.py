@@ -267,6 +267,12 @@ def test_store_kv_writes_rows_as_pytorch_rounds_them(dtype):
     else:
         store_kv(k.to(dtype), v.to(dtype), kr, vr, slots)
     assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8)) and torch.equal(vc.view(torch.uint8), vr.view(torch.uint8))
+    if dtype == torch.int8:  # keys smoothed per channel (models/kv_smoothing.py): the same bits both ways
+        smooth = torch.rand(hkv, d, generator=g) * 4 + 0.1
+        ks, kt, vt = torch.zeros_like(kc), torch.zeros_like(kc), torch.zeros_like(vc)
+        kernels.store_kv(k, v, ks, torch.zeros_like(vc), slots, smooth)
+        store_kv_quantized(k, v, kt, vt, slots, use_kernel=False, k_smooth=smooth)
+        assert torch.equal(ks, kt) and not torch.equal(ks, kc)
     back = read_blocks(kc, torch.arange(nb)[None], d, torch.float32)[0][slots]
     step = {torch.int8: k.abs().amax(-1, keepdim=True) / 127, torch.float8_e5m2: k.abs() / 4,
             torch.float16: k.abs() / 1024, torch.float32: 0 * k}[dtype]

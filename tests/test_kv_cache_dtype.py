@@ -107,18 +107,20 @@ def test_sliding_window_layers_read_the_8bit_cache(tmp_path, kv):
 def test_server_with_an_int8_cache(default_model):
     """`serve --kv-cache-dtype int8`: the start-up line and /metrics give the capacity (1.9x what
     float16 holds in the same --kv-cache-memory, at head size 64) and the dtype, and a chat completion
-    through the official client answers."""
+    through the official client answers what the offline engine with the same settings answers."""
     import signal
 
     from test_server import MODEL, server_log, start_server
 
-    fp16 = LLM(default_model, dtype="float32", kv_cache_memory="512MiB", skip_tokenizer_init=True).engine.kv_capacity_tokens
-    proc, base = start_server("--kv-cache-dtype", "int8")  # --kv-cache-memory 512MiB
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    offline = LLM(default_model, dtype="float32", kv_cache_dtype="int8", kv_cache_memory="512MiB")
+    want = offline.chat([question], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    fp16_tokens = 512 * 2**20 // bytes_per_block(offline.engine.arch, 16, torch.float16) * 16
+    proc, base = start_server("--kv-cache-dtype", "int8")  # --dtype float32 --kv-cache-memory 512MiB
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
-        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
-                                           max_tokens=12, temperature=0)
-        assert "Paris" in r.choices[0].message.content
+        r = client.chat.completions.create(model=MODEL, messages=question, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == want and want
         text = httpx.get(base + "/metrics").text
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -127,5 +129,41 @@ def test_server_with_an_int8_cache(default_model):
     info = [ln for ln in text.splitlines() if ln.startswith("tokenmill:cache_config_info{")]
     assert len(cap) == 1 and len(info) == 1 and 'cache_dtype="int8"' in info[0] and 'block_size="16"' in info[0]
     tokens = int(float(cap[0].split()[-1]))
-    assert tokens / fp16 == pytest.approx(2 * 64 / 68, rel=0.01)
+    assert tokens == offline.engine.kv_capacity_tokens
+    assert tokens / fp16_tokens == pytest.approx(2 * 64 / 68, rel=0.01)
     assert f"KV cache {tokens} tokens (int8)" in server_log(proc)
+
+
+def test_key_smoothing_keeps_large_key_channels_from_costing_accuracy(tmp_path):
+    """Qwen2.5's keys carry a few large channels (its key biases) that set an int8 row's scale and
+    round the others coarsely. With the channels pulled in per KV head (models/kv_smoothing.py, the
+    default with an int8 cache) the logits stay close to a float32 cache's; without, they do not.
+    λ is shared by the two channels RoPE rotates together, never below the head's median (within the
+    rounding to a power of two)."""
+    from conftest import make_tiny_hf
+    from tokenmill.compress.evaluate import paged_cache
+    from tokenmill.models import kv_smoothing, loader
+
+    path = make_tiny_hf("qwen2", str(tmp_path / "q"))
+    lm = loader.load(path, "float32", torch.device("cpu"), load_tokenizer=False, quantization="none")
+    model = lm.model
+    half, d = model.cfg.rope_dim // 2, model.cfg.head_dim
+    with torch.no_grad():  # a large bias on channel 3 of every KV head's keys (rotating with channel 3 + half)
+        for layer in model.model.layers:
+            qkv = layer.self_attn.qkv_proj
+            k0 = model.cfg.num_heads * d
+            for h in range(model.cfg.num_kv_heads):
+                qkv.bias[k0 + h * d + 3] += 60.0
+    ids = torch.randint(0, 256, (48,), generator=torch.Generator().manual_seed(2))
+    with paged_cache(model, "float32", 64, chunk=16) as score:
+        ref = torch.log_softmax(score(ids), -1)
+    with paged_cache(model, "int8", 64, chunk=16) as score:
+        lam = model.attention_layers()[0].k_smooth
+        assert torch.equal(lam[:, :half], lam[:, half:2 * half])
+        assert torch.equal(lam, torch.exp2(torch.log2(lam).round()))  # powers of two
+        assert (lam * 1.5 >= lam.median(dim=-1, keepdim=True).values).all() and (lam[:, 3] > 10 * lam.median(dim=-1).values).all()
+        smoothed = (torch.log_softmax(score(ids), -1) - ref).abs().max()
+        kv_smoothing.attach(model, None)
+        plain = (torch.log_softmax(score(ids), -1) - ref).abs().max()
+    assert smoothed < plain / 3, (smoothed, plain)
+    assert all(a.k_smooth is None for a in model.attention_layers())

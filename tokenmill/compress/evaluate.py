@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from tokenmill.layers.attention import CACHE_DTYPES, AttentionMetadata, PrefillSegment, forward_context, row_width
+from tokenmill.models import kv_smoothing
 from tokenmill.models.llama import CausalLM
 
 Scorer = Callable[[torch.Tensor], torch.Tensor]  # a window's token ids (L,) -> its logits (L, vocab)
@@ -44,10 +45,12 @@ def paged_cache(model: CausalLM, kv_cache_dtype: str, context_len: int, chunk: i
     device = model.model.embed_tokens.device
     nb = -(-context_len // block_size)
     shape = (nb, block_size, layers[0].num_kv_heads, row_width(layers[0].head_dim, dtype))
-    saved = [(a.k_cache, a.v_cache, a.use_kernel) for a in layers]
+    saved = [(a.k_cache, a.v_cache, a.use_kernel, a.k_smooth) for a in layers]
     for a in layers:
         a.k_cache, a.v_cache = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         a.use_kernel = None
+    # as a server's cache: int8 keys smoothed (models/kv_smoothing.py)
+    kv_smoothing.attach(model, kv_smoothing.key_scales(model) if dtype == torch.int8 else None)
     table = torch.arange(nb, device=device)  # block i holds positions [16 i, 16 i + 16): slot = position
 
     def score(window: torch.Tensor) -> torch.Tensor:
@@ -67,8 +70,9 @@ def paged_cache(model: CausalLM, kv_cache_dtype: str, context_len: int, chunk: i
     try:
         yield score
     finally:
-        for a, (k, v, use) in zip(layers, saved):
+        for a, (k, v, use, smooth) in zip(layers, saved):
             a.k_cache, a.v_cache, a.use_kernel = k, v, use
+            a.set_key_smoothing(smooth)
 
 
 @torch.inference_mode()

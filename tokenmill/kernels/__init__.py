@@ -224,10 +224,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slots: torch.Tensor) -> None:
+             slots: torch.Tensor, k_smooth: torch.Tensor | None = None) -> None:
     """Each token's K/V rows, k/v (T, Hkv, D) float32, into its cache slot in the cache's format
-    (float32, float16, fp8_e5m2 rounded to nearest even; int8 with a float32 scale per row)."""
-    torch.ops.tokenmill.store_kv(_heads_contiguous(k), _heads_contiguous(v), k_cache, v_cache, slots)
+    (float32, float16, fp8_e5m2 rounded to nearest even; int8 with a float32 scale per row, K divided
+    by k_smooth (Hkv, D) per channel first where given)."""
+    torch.ops.tokenmill.store_kv(_heads_contiguous(k), _heads_contiguous(v), k_cache, v_cache, slots, k_smooth)
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:

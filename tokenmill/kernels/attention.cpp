@@ -550,9 +550,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots) {
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+              const c10::optional<at::Tensor>& k_smooth) {
   check_caches(k_cache, v_cache);
   const int64_t D = cache_head_dim(k_cache), Hkv = k_cache.size(2), B = slots.numel();
+  if (k_smooth)
+    TORCH_CHECK(k_smooth->scalar_type() == at::kFloat && k_smooth->is_contiguous() && k_smooth->numel() == Hkv * D,
+                "k_smooth must be float (Hkv, D)");
   for (const at::Tensor* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->scalar_type() == at::kFloat && x->size(0) == B && x->size(1) == Hkv &&
                 x->size(2) == D && x->stride(2) == 1 && x->stride(1) == D,
@@ -562,7 +566,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   with_kv_type(k_cache, [&](auto tag) {
     using T = decltype(tag);
     store_kv_rows(k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0), v.stride(0), slots.data_ptr<int64_t>(), B,
-                  KvBlocks<T>(k_cache), num_slots, kv_data_mut<T>(k_cache), kv_data_mut<T>(v_cache));
+                  KvBlocks<T>(k_cache), num_slots, kv_data_mut<T>(k_cache), kv_data_mut<T>(v_cache),
+                  k_smooth ? k_smooth->data_ptr<float>() : nullptr);
   });
 }
 
@@ -571,7 +576,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor context_lens, float scale, int window=0) -> Tensor");
-  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor? k_smooth=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -29,6 +29,8 @@ inline v16f load_kv(const at::Half* p) {
 // each and cost a third of the decode kernel's speed). The tensor is int8 (num_blocks, block_size,
 // Hkv, D + 4): the block's bytes, not its layout. fp8_e5m2: float16's top byte, no scale, widened by
 // a shift (torch.float8_e5m2 (..., D)).
+constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256;
+
 struct KvInt8 { int8_t q; };
 struct KvFp8 { uint8_t b; };
 template <typename T> constexpr int64_t kv_pad = 0;  // the scale's elements per row (after the block's values)
@@ -107,17 +109,24 @@ inline void store_kv_row(const float* x, int64_t D, KvInt8* dst, KvInt8* scale) 
 }
 
 // Each token's K and V rows (Hkv heads of D floats, token rows at strides ldk/ldv) into its cache
-// slot (block slot / bs, position slot % bs).
+// slot (block slot / bs, position slot % bs). k_smooth (Hkv x D, or null): K divided by it channel by
+// channel before it is rounded (int8 caches: models/kv_smoothing.py).
 template <typename T>
 void store_kv_rows(const float* k, const float* v, int64_t ldk, int64_t ldv, const int64_t* slots, int64_t B,
-                   const KvBlocks<T>& L, int64_t num_slots, T* kc, T* vc) {
+                   const KvBlocks<T>& L, int64_t num_slots, T* kc, T* vc, const float* k_smooth = nullptr) {
+  float ks[kMaxHeadDim];
   for (int64_t b = 0; b < B; ++b) {
     const int64_t slot = slots[b];
     TORCH_CHECK(slot >= 0 && slot < num_slots, "cache slot out of range");
     const int64_t blk = slot / L.bs, off = slot % L.bs;
     for (int64_t h = 0; h < L.Hkv; ++h) {
       const int64_t at = L.at(blk, off, h), sat = L.scale_at(blk, off, h);
-      store_kv_row(k + b * ldk + h * L.D, L.D, kc + at, kc + sat);
+      const float* kr = k + b * ldk + h * L.D;
+      if (k_smooth) {
+        for (int64_t i = 0; i < L.D; ++i) ks[i] = kr[i] / k_smooth[h * L.D + i];
+        kr = ks;
+      }
+      store_kv_row(kr, L.D, kc + at, kc + sat);
       store_kv_row(v + b * ldv + h * L.D, L.D, vc + at, vc + sat);
     }
   }
@@ -170,7 +179,6 @@ inline void transpose16(__m512* r) {
 }
 #endif
 
-constexpr int64_t kMaxGroup = 16, kMaxHeadDim = 256;
 
 // A sliding-window layer (window > 0) starts at position len - window: the blocks before it are
 // never read (they may have been handed back).

@@ -97,6 +97,7 @@ struct Layer {
   bool norm_topk = false;
   at::Tensor router, shared_gate;  // shared_gate: (1, hidden) when there is a shared expert
   std::vector<Projection> expert_proj;
+  at::Tensor q_smooth, k_smooth;  // optional key smoothing of an int8 cache: (Hq, D), (Hkv, D) (models/kv_smoothing.py)
 
   size_t expert_projections() const { return 2 * num_experts + (shared_gate.defined() ? 2 : 0); }
   bool complete() const { return num_experts ? proj.size() == 2 && expert_proj.size() == expert_projections() : proj.size() == 4; }
@@ -151,6 +152,16 @@ class DecodeStack : public torch::CustomClassHolder {
     Layer& L = layers_.back();
     L.num_experts = router.size(0), L.top_k = top_k, L.norm_topk = norm_topk, L.router = router.contiguous();
     if (shared_gate) L.shared_gate = shared_gate->contiguous();
+  }
+
+  // Key smoothing of the last layer's int8 cache: its K rows stored divided by k_smooth (Hkv, D), its
+  // queries multiplied by q_smooth (Hq, D) before attention (models/kv_smoothing.py).
+  void set_key_smoothing(at::Tensor q_smooth, at::Tensor k_smooth) {
+    TORCH_CHECK(!layers_.empty(), "add_layer first");
+    TORCH_CHECK(q_smooth.scalar_type() == at::kFloat && k_smooth.scalar_type() == at::kFloat &&
+                q_smooth.numel() == hq_ * d_ && k_smooth.numel() == hkv_ * d_, "smoothing must be float (Hq, D), (Hkv, D)");
+    layers_.back().q_smooth = q_smooth.contiguous().view({hq_, d_});
+    layers_.back().k_smooth = k_smooth.contiguous();
   }
 
   // One rank of a tensor-parallel group: the o and down projections hold a slice of their inputs,
@@ -239,8 +250,9 @@ class DecodeStack : public torch::CustomClassHolder {
       with_kv_type(kc, [&](auto tag) {  // in the cache's format (attention.h)
         using T = decltype(tag);
         store_kv_rows(kp, vp, (hq_ + hkv_) * d_, qkv_n, slots.data_ptr<int64_t>(), B, KvBlocks<T>(kc), num_slots,
-                      kv_data_mut<T>(kc), kv_data_mut<T>(vc));
+                      kv_data_mut<T>(kc), kv_data_mut<T>(vc), L.k_smooth.defined() ? L.k_smooth.data_ptr<float>() : nullptr);
       });
+      if (L.q_smooth.defined()) qk.narrow(1, 0, hq_).mul_(L.q_smooth);  // as the Python layer's q * q_smooth
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_, L.window);
       const at::Tensor a = row_parallel(L.proj[1], o.view({B, hq_ * d_}));
@@ -343,6 +355,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def("add_projection", &tokenmill::DecodeStack::add_projection)
       .def("add_part", &tokenmill::DecodeStack::add_part)
       .def("set_moe", &tokenmill::DecodeStack::set_moe)
+      .def("set_key_smoothing", &tokenmill::DecodeStack::set_key_smoothing)
       .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
       .def("set_amx_rows", &tokenmill::DecodeStack::set_amx_rows)
       .def("forward", &tokenmill::DecodeStack::forward);

@@ -94,6 +94,15 @@ class Attention(nn.Module):
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         self.use_kernel: bool | None = None  # the paged CPU kernels read this cache (found once)
+        # int8 caches: keys stored divided by k_smooth (Hkv, D) per channel, queries multiplied by
+        # q_smooth (the same, per query head) before they meet the cache (models/kv_smoothing.py)
+        self.k_smooth: torch.Tensor | None = None
+        self.q_smooth: torch.Tensor | None = None
+
+    def set_key_smoothing(self, k_smooth: torch.Tensor | None) -> None:
+        self.k_smooth = k_smooth
+        self.q_smooth = None if k_smooth is None else \
+            k_smooth.repeat_interleave(self.num_heads // self.num_kv_heads, dim=0).contiguous()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
@@ -104,7 +113,9 @@ class Attention(nn.Module):
             self.use_kernel = self.softcap is None and kernels.supports_attention(q.dtype, self.k_cache, self.num_heads)
         eight_bit = self.k_cache.dtype in EIGHT_BIT
         if eight_bit:  # quantized as written; attention then reads them back from the cache, fresh or not
-            store_kv_quantized(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.use_kernel)
+            store_kv_quantized(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.use_kernel, self.k_smooth)
+            if self.q_smooth is not None:
+                q = q * self.q_smooth
         else:
             if k.dtype != self.k_cache.dtype:  # attend to K/V exactly as stored, cached or fresh
                 k, v = k.to(self.k_cache.dtype), v.to(self.k_cache.dtype)
@@ -166,13 +177,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def store_kv_quantized(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, use_kernel: bool) -> None:
-    """Write each token's K/V into an 8-bit cache, quantized as they are written: on CPU in one pass
-    per row by the kernels' store_kv, elsewhere (or where the kernels do not serve) by PyTorch ops
-    that round the same way."""
+                       slot_mapping: torch.Tensor, use_kernel: bool, k_smooth: torch.Tensor | None = None) -> None:
+    """Write each token's K/V into an 8-bit cache, quantized as they are written (K divided by
+    `k_smooth` first, where given): on CPU in one pass per row by the kernels' store_kv, elsewhere (or
+    where the kernels do not serve) by PyTorch ops that round the same way."""
     if use_kernel and k.dtype == torch.float32:
-        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, slot_mapping, k_smooth)
         return
+    if k_smooth is not None:
+        k = k.float() / k_smooth
     for x, cache in ((k, k_cache), (v, v_cache)):
         values, scales = quantize_rows(x, cache.dtype)
         if scales is None:  # fp8: whole rows, as bytes (index_copy_ has no float8 kernels)
@@ -218,8 +231,9 @@ def dequantize_blocks(blocks: torch.Tensor, head_dim: int, dtype: torch.dtype) -
 def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The contexts of `block_tables` (B, nb) as values: (B, nb*bs, Hkv, head_dim) in `dtype`."""
     b, nb = block_tables.shape
-    blocks = torch.index_select(cache.view(cache.shape[0], -1), 0, block_tables.reshape(-1)).view(-1, *cache.shape[1:])
-    return dequantize_blocks(blocks, head_dim, dtype).view(b, nb * cache.shape[1], *cache.shape[2:3], head_dim)
+    flat = cache.view(torch.uint8) if cache.dtype in EIGHT_BIT else cache  # as bytes: no float8 index kernels on some devices
+    blocks = torch.index_select(flat.view(cache.shape[0], -1), 0, block_tables.reshape(-1))
+    return dequantize_blocks(blocks.view(cache.dtype).view(-1, *cache.shape[1:]), head_dim, dtype).view(b, nb * cache.shape[1], *cache.shape[2:3], head_dim)
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -49,6 +49,8 @@ def build(model: CausalLM) -> object | None:
             if layer.sandwich else (None, None)
         stack.add_layer(layer.input_layernorm.factor(), layer.mlp_norm.factor(), sa.attn.k_cache, sa.attn.v_cache,
                         sa.window, sa.rope_index, *qk, *outs)
+        if sa.attn.k_smooth is not None:
+            stack.set_key_smoothing(sa.attn.q_smooth, sa.attn.k_smooth)
         projections = _projections(layer)
         for proj in projections[:2]:  # qkv, o
             _add(stack, proj)

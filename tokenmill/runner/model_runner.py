@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.core.sched_output import DraftRequest, RunnerOutput, ScheduledRequest, SchedulerOutput, StepTiming
 from tokenmill.layers.attention import AttentionMetadata, PrefillSegment, forward_context
-from tokenmill.models import decode_stack
+from tokenmill.models import decode_stack, kv_smoothing
 from tokenmill.models.llama import CausalLM
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.runner import kv_cache, pooler
@@ -44,6 +44,8 @@ class ModelRunner:
         self.cache = kv_cache.allocate(model.cfg, num_blocks, block_size, dtype, device)
         for i, attn in enumerate(model.attention_layers()):
             attn.k_cache, attn.v_cache = self.cache[0, i], self.cache[1, i]
+        # int8: keys stored with their large channels pulled in (one forward pass over random tokens)
+        kv_smoothing.attach(model, kv_smoothing.key_scales(model) if dtype == torch.int8 else None)
         if device.type == "cpu":  # before the decode stack takes the panels
             gather_in_huge_pages([(qw.panels, f) for qw in model.quantized_weights() if qw.panels is not None
                                   for f, t in vars(qw.panels).items() if isinstance(t, torch.Tensor)])
