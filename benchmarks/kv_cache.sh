@@ -19,13 +19,13 @@ TOKENS=${TOKENS:-8192}
 QWEN=$ROOT/models/qwen2.5-coder-0.5b-instruct.gguf
 MODELS=${MODELS:-"$MODEL $QWEN"}
 DTYPES=${DTYPES:-"float16 int8 fp8_e5m2"}
-build_llamacpp
 jq_py() { "$PY" -c "$1" "${@:2}"; }
 
 for part in $PARTS; do
   out=$RESULTS/kv_cache-$part$SUFFIX.jsonl; : > "$out"
   case $part in
   ppl)
+    build_llamacpp
     [ -x "$LLAMA_BUILD/bin/llama-perplexity" ] || cmake --build "$LLAMA_BUILD" -j 2 --target llama-perplexity
     code=$RESULTS/.argparse.txt
     "$PY" -c 'import argparse, sys; sys.stdout.write(open(argparse.__file__).read())' > "$code"
@@ -65,6 +65,7 @@ for part in $PARTS; do
       done
     done ;;
   decode)
+    build_llamacpp
     for load in "$MODEL 16 2000" "$QWEN 16 2000" "$QWEN 1 16000"; do
       read -r model batch ctx <<< "$load"
       name=$(basename "$model")
