@@ -58,17 +58,7 @@ struct KvBlocks {
   int64_t scale_at(int64_t blk, int64_t off, int64_t h) const { return blk * block + bs * row + kv_pad<T> * (off * Hkv + h); }
 };
 
-inline v16f load_kv(const KvInt8* p) {
-#if defined(__AVX512F__)
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-#elif defined(__AVX2__)
-  return join(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p))), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(p + 8))));
-#else
-  v16f v;
-  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i].q);
-  return v;
-#endif
-}
+inline v16f load_kv(const KvInt8* p) { return bytes(reinterpret_cast<const int8_t*>(p)); }
 inline v16f load_kv(const KvFp8* p) {
 #if defined(__AVX512F__)
   return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8));
