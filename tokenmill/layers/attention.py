@@ -230,10 +230,9 @@ def dequantize_blocks(blocks: torch.Tensor, head_dim: int, dtype: torch.dtype) -
 
 def read_blocks(cache: torch.Tensor, block_tables: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """The contexts of `block_tables` (B, nb) as values: (B, nb*bs, Hkv, head_dim) in `dtype`."""
-    b, nb = block_tables.shape
-    flat = cache.view(torch.uint8) if cache.dtype in EIGHT_BIT else cache  # as bytes: no float8 index kernels on some devices
-    blocks = torch.index_select(flat.view(cache.shape[0], -1), 0, block_tables.reshape(-1))
-    return dequantize_blocks(blocks.view(cache.dtype).view(-1, *cache.shape[1:]), head_dim, dtype).view(b, nb * cache.shape[1], *cache.shape[2:3], head_dim)
+    raw = cache.view(torch.uint8) if cache.dtype in EIGHT_BIT else cache  # as bytes: no float8 index kernels on some devices
+    blocks = gather_blocks(raw, block_tables).view(cache.dtype).view(-1, *cache.shape[1:])  # (B*nb, bs, Hkv, width)
+    return dequantize_blocks(blocks, head_dim, dtype).view(*block_tables.shape[:1], -1, cache.shape[2], head_dim)
 
 
 def decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
