@@ -67,6 +67,19 @@ def test_int4_panels_equal_their_reference(n, k, group, m, bits, integer_kernels
 
 
 @pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_row_gets_the_same_bits_in_any_number_of_rows(group, bits, integer_kernels):
+    """Many rows run other loops than a few (rows_avx2.h); a row's output must not depend on them."""
+    torch.manual_seed(group + bits)
+    q, scale, minimum = int4.quantize_rtn(torch.randn(40, 512), group)
+    w = kernels.pack_int4(q, scale, minimum)
+    w.act_bits = bits
+    x = torch.randn(37, 512)
+    alone = torch.cat([kernels.int4_linear(x[i:i + 3], w) for i in range(0, 37, 3)])
+    assert torch.equal(kernels.int4_linear(x, w), alone)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("n,k", [(64, 128), (40, 96), (49, 576)])
 @pytest.mark.parametrize("m", [1, 8, 13])
 def test_int8_panels_equal_their_reference(n, k, m, bits):

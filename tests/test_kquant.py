@@ -128,6 +128,21 @@ def test_kernel_equals_the_dequantized_matmul(kind, n, k, m, bits, integer_kerne
     assert err < (1e-4 if bits == 16 else 3e-2), err  # 16 bits: float32-level; 8 bits: llama.cpp's Q8 activations
 
 
+@pytest.mark.parametrize("kind", kquant.KINDS)
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_row_gets_the_same_bits_in_any_number_of_rows(kind, bits, integer_kernels):
+    """Batch invariance: many rows take other loops than a few (rows_avx2.h on AVX2, one block's
+    weights unpacked for every row), with the same integer and float arithmetic, so a row's
+    output never depends on what else shares the product."""
+    rng = np.random.default_rng(7)
+    raw = random_blocks(rng, 40, 512, kind)
+    w = kquant.from_blocks(kind, 40, 512, lambda a, b: raw[a:b])
+    w.panels.act_bits = bits
+    x = torch.from_numpy(rng.standard_normal((37, 512)).astype(np.float32))
+    alone = torch.cat([w.matmul(x[i:i + 3]) for i in range(0, 37, 3)])
+    assert torch.equal(w.matmul(x), alone)
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q5_0"])
 @pytest.mark.parametrize("m", [1, 33])  # 33 rows: the AMX tiles on the amx variant
 def test_symmetric_types_keep_no_minimums_and_the_file_bytes(kind, m):

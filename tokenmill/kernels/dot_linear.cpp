@@ -318,7 +318,27 @@ __attribute__((noinline)) void int8_dot_tile(XRows x, int64_t K, int64_t segment
 // over 2, 3 and 5 rows.
 constexpr int kInt4Rows8 = 6, kInt4Rows16 = 4, kInt8Rows8 = 4, kInt8Rows16 = 4;
 constexpr XForm kInt8X = kInt16;
+#include "rows_avx2.h"
 #endif
+
+// Many rows of x on AVX2 / AVX-VNNI (rows_avx2.h) for the int4 types without fifth bits: true
+// where it ran the product.
+template <class MakeScales>
+bool int4_many(const QuantizedX& xq, int64_t M, int64_t N, int64_t K, int64_t P, int64_t group, int64_t segment,
+               bool wide, const uint8_t* qp, MakeScales make, at::Tensor& y) {
+#if defined(TOKENMILL_DOT512)
+  return false;
+#else
+  if (M < kManyRowsMin) return false;
+  for_each_tile(P, M, N, kManyRows, 1, [&](int64_t p, int, int64_t r, int rows, int nvalid) {
+    const XRows xr = rows_at(xq, r, K, group);
+    const YOut yt = out_at(y, r, p * kLanes);
+    if (wide) int4_many_rows<true>(xr, rows, K, group, segment, qp + p * K * 8, make(p), yt, nvalid);
+    else int4_many_rows<false>(xr, rows, K, group, segment, qp + p * K * 8, make(p), yt, nvalid);
+  });
+  return true;
+#endif
+}
 
 DOT_TILE_ADAPTER(Int4Dot16Tile, int4_dot_tile<MT, NP, true, HalfScales>)
 DOT_TILE_ADAPTER(Int4Dot8Tile, int4_dot_tile<MT, NP, false, HalfScales>)
@@ -360,6 +380,10 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   at::Tensor y = output(x, N, partial);
   const uint8_t *qp = q.data_ptr<uint8_t>(), *hp = fifth_bits(qh, P, K);
   const at::Half *sp = s.data_ptr<at::Half>(), *mp = sym ? nullptr : m->data_ptr<at::Half>();
+  auto scales = [&](int64_t p) {
+    return HalfScales{sp + p * G * kLanes, mp ? mp + p * G * kLanes : nullptr, G * kLanes, hp ? 16.f : 8.f};
+  };
+  if (!hp && int4_many(xq, M, N, K, P, group, segment, bits == 16, qp, scales, y)) return y;
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
@@ -391,6 +415,8 @@ at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Te
   at::Tensor y = output(x, N, partial);
   const uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>(), *hp = fifth_bits(qh, P, K);
   const at::Half* ddp = dd.data_ptr<at::Half>();
+  auto scales = [&](int64_t p) { return KScales{smp + p * K, ddp + p * (K / 8), K, K / 8}; };
+  if (!hp && int4_many(xq, M, N, K, P, group, segment, bits == 16, qp, scales, y)) return y;
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);

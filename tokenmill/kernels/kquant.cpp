@@ -229,6 +229,7 @@ __attribute__((noinline)) void k16_dot_tile(XRows x, int64_t K, int64_t segment,
 }
 // 16 ymm: 3 rows x 1 half at 8 bits, 2 at 16
 constexpr int kK16Rows8 = 3, kK16Rows16 = 2;
+#include "rows_avx2.h"
 #endif
 
 template <int F>
@@ -248,6 +249,18 @@ at::Tensor k16_linear(int F, const at::Tensor& x, const uint8_t* ql, const uint8
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K, 0, bits == 16, kHalves, /*sums16=*/true);
   at::Tensor y = output(x, N, partial);
   const int64_t lstride = F == kQ6 ? K * 8 : K * 2, dstride = K / 256 * (F == kQ2 ? 32 : 16);
+#if !defined(TOKENMILL_DOT512)
+  if (F == kQ6 && M >= kManyRowsMin) {  // many rows: rows_avx2.h
+    for_each_tile(P, M, N, kManyRows, 1, [&](int64_t p, int, int64_t r, int rows, int nvalid) {
+      const XRows xr = rows_at(xq, r, K, 0);
+      const YOut yt = out_at(y, r, p * kLanes);
+      const int8_t* sct = static_cast<const int8_t*>(sc) + p * K;
+      if (bits == 16) q6k_many_rows<true>(xr, rows, K, segment, ql + p * lstride, qh + p * K * 4, sct, d + p * dstride, yt, nvalid);
+      else q6k_many_rows<false>(xr, rows, K, segment, ql + p * lstride, qh + p * K * 4, sct, d + p * dstride, yt, nvalid);
+    });
+    return y;
+  }
+#endif
   const int tile = bits == 16 ? kK16Rows16 : kK16Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, 0);
