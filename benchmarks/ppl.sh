@@ -17,12 +17,14 @@ out=$RESULTS/ppl$SUFFIX.jsonl; : > "$out"
 for model in $MODELS; do
   for text in "$SHARED/data/wikitext-2/test.txt" "$code"; do
     name=$(basename "$text")
-    for run in "none 16" "auto 16" "auto 8"; do
+    # the fourth field: TOKENMILL_AMX (0: prompt windows on the integer kernels, where the amx or
+    # avx512bf16 variant would multiply them in bfloat16; the same run elsewhere)
+    for run in "none 16 1" "auto 16 1" "auto 16 0" "auto 8 1"; do
       set -- $run
-      "$TM" --log-level WARNING eval ppl --model "$model" --data "$text" --quantization "$1" --activation-bits "$2" \
+      TOKENMILL_AMX=$3 "$TM" --log-level WARNING eval ppl --model "$model" --data "$text" --quantization "$1" --activation-bits "$2" \
         --max-tokens "$TOKENS" --context-len 512 --stride 256 |
-        "$PY" -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({**d, "engine": "tokenmill", "model": sys.argv[1], "text": sys.argv[2]}))' \
-          "$(basename "$model")" "$name" >> "$out"
+        "$PY" -c 'import json,sys; d=json.loads(sys.stdin.read()); print(json.dumps({**d, "engine": "tokenmill", "model": sys.argv[1], "text": sys.argv[2], "TOKENMILL_AMX": sys.argv[3]}))' \
+          "$(basename "$model")" "$name" "$3" >> "$out"
     done
     # llama-perplexity: chunks of 512 over the same first TOKENS tokens (it stops at --chunks)
     lp=$("$LLAMA_BUILD/bin/llama-perplexity" -m "$model" -f "$text" -c 512 -t 2 --chunks $((TOKENS / 512)) 2>&1 |

@@ -1,9 +1,11 @@
-"""Prompt chunks on AMX tiles (kernels/amx.cpp): every format with a tile decoder gives the product
+"""Prompt chunks as bfloat16 products (kernels/amx.cpp: AMX tiles, or VDPBF16PS on the avx512bf16
+variant): every format with a tile decoder gives the product
 of x and the file's weights both rounded to bfloat16 (float32 sums), and the integer kernels' product
 within that rounding; the many-row products of the layers and of the decode stack take that path from kernels.amx_rows rows.
 A prompt chunk's attention (kernels/amx_attention.cpp) gives attention over Q, K, V rounded to
 bfloat16 within the rounding of P, and the float32 kernel's within bfloat16's.
-Runs where the CPU has AMX (the `amx` variant loads); elsewhere it skips, saying why."""
+The products run where the CPU has AMX or AVX512-BF16 (the `amx` or `avx512bf16` variant loads), the
+attention where it has AMX; elsewhere they skip, saying why."""
 from __future__ import annotations
 
 import os
@@ -21,12 +23,14 @@ from test_kquant import random_blocks, reference
 
 HAS_AMX = "amx" in build.executable()
 needs_amx = pytest.mark.skipif(not HAS_AMX, reason="this CPU has no AMX (amx_tile, amx_bf16)")
+HAS_BF16MM = bool({"amx", "avx512bf16"} & set(build.executable()))
+needs_bf16mm = pytest.mark.skipif(not HAS_BF16MM, reason="this CPU has neither AMX nor AVX512-BF16")
 
 
 @pytest.fixture(scope="module")
 def amx():
     if not kernels.amx():
-        pytest.skip(f"the loaded kernels are {kernels.isa()!r}, not amx with tile state granted")
+        pytest.skip(f"the loaded kernels are {kernels.isa()!r}, not amx (with tile state granted) or avx512bf16")
 
 
 def _bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -38,7 +42,7 @@ def _tile_product(w, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.amx_linear(x, int(kind), *tensors, w.out_features)
 
 
-@needs_amx
+@needs_bf16mm
 @pytest.mark.parametrize("kind", kquant.KINDS)
 @pytest.mark.parametrize("n,k,m", [(48, 512, 33), (40, 256, 7), (80, 768, 64)])  # 40, 80: a partial / odd panel
 def test_tiles_multiply_the_file_weights_in_bfloat16(amx, kind, n, k, m, integer_kernels):
@@ -55,7 +59,7 @@ def test_tiles_multiply_the_file_weights_in_bfloat16(amx, kind, n, k, m, integer
     assert ((y.double() - integer).abs().max() / integer.abs().max()).item() < 1e-2  # bfloat16's rounding
 
 
-@needs_amx
+@needs_bf16mm
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_and_int8_checkpoints_run_on_tiles(amx, group, integer_kernels):
     torch.manual_seed(group)
@@ -71,13 +75,14 @@ def test_int4_and_int8_checkpoints_run_on_tiles(amx, group, integer_kernels):
     assert ((_tile_product(w8, x).double() - exact8).abs().max() / exact8.abs().max()).item() < 2e-6
 
 
-@needs_amx
+@needs_bf16mm
 def test_layers_take_the_tiles_from_the_threshold(amx):
     raw = random_blocks(np.random.default_rng(0), 64, 512, "Q4_K")
     w = kquant.from_blocks("Q4_K", 64, 512, lambda a, b: raw[a:b])
-    assert kernels.amx_rows(4096, 1024) == kernels.AMX_MIN_ROWS
+    least = kernels.AMX_MIN_ROWS if kernels.isa() == "amx" else kernels.BF16_MIN_ROWS
+    assert kernels.AMX["min_rows"] == least and kernels.amx_rows(4096, 1024) == least
     rows = kernels.amx_rows(64, 512)  # a small product: from more rows, where a call's fixed costs weigh more
-    assert rows == max(kernels.AMX_MIN_ROWS, kernels.AMX_SMALL[1])
+    assert rows == max(least, kernels.AMX_SMALL[1])
     x = torch.randn(rows, 512)
     assert torch.equal(w.matmul(x), _tile_product(w, x))  # a prompt chunk: the tiles
     few = x[: rows - 1]
@@ -86,7 +91,7 @@ def test_layers_take_the_tiles_from_the_threshold(amx):
     assert w.matmul(x, partial=True).dtype == torch.float64
 
 
-@needs_amx
+@needs_bf16mm
 def test_decode_steps_of_many_sequences_take_the_tiles(amx, tiny_llama, monkeypatch):
     """The native decode stack sends a step's products to the tiles from the rows Linear does, so
     both still give the same bits; with the tiles off the same steps give other bits."""
@@ -94,7 +99,7 @@ def test_decode_steps_of_many_sequences_take_the_tiles(amx, tiny_llama, monkeypa
     llm = LLM(tiny_llama, quantization="int4", quantization_group_size=32, kv_cache_memory="16MiB",
               enable_prefix_caching=False, skip_tokenizer_init=True)
     model = llm.engine.runner.model
-    prompts = [{"prompt_token_ids": [5 + i, 7 + 2 * i, 3]} for i in range(max(kernels.AMX_MIN_ROWS, kernels.AMX_SMALL[1]))]
+    prompts = [{"prompt_token_ids": [5 + i, 7 + 2 * i, 3]} for i in range(max(kernels.AMX["min_rows"], kernels.AMX_SMALL[1]))]
     sp = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
 
     def run() -> list[list[float]]:
@@ -174,6 +179,7 @@ def test_prompt_chunks_attend_on_tiles_from_the_threshold(amx):
 def test_amx_variant_is_refused_where_the_cpu_lacks_it():
     without = build.VARIANTS["avx512vnni"][1]
     assert "amx" not in build.executable(without) and build.best(without) == "avx512vnni"
+    assert build.best(build.VARIANTS["avx512bf16"][1]) == "avx512bf16"  # Zen 4/5
     assert build.best(build.VARIANTS["amx"][1]) == "amx"
     if HAS_AMX:
         return

@@ -20,10 +20,13 @@ ZEN3 = frozenset("sse4_2 avx avx2 fma f16c bmi1 bmi2 popcnt".split())
 ALDER_LAKE = ZEN3 | {"avx_vnni"}
 SKYLAKE_X = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
 ICE_LAKE = SKYLAKE_X | {"avx512_vnni", "avx512vbmi"}
+ZEN4 = ICE_LAKE | {"avx512_bf16", "avx_vnni"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.mark.parametrize("flags,want", [(ZEN3, "avx2"), (ALDER_LAKE, "avxvnni"), (SKYLAKE_X, "avx512"),
-                                        (ICE_LAKE, "avx512vnni"), (frozenset({"sse4_2", "avx"}), None)])
+                                        (ICE_LAKE, "avx512vnni"), (ZEN4, "avx512bf16"), (SAPPHIRE_RAPIDS, "amx"),
+                                        (frozenset({"sse4_2", "avx"}), None)])
 def test_auto_picks_the_widest_variant_the_cpu_runs(flags, want, monkeypatch):
     monkeypatch.setattr(build, "is_x86", lambda: True)
     assert build.best(flags) == want

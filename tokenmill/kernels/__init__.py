@@ -5,8 +5,9 @@ blocks in place (attention.cpp), all decoder layers of a decode step in one call
 one-pass RMSNorm, rotary embedding, SiLU-and-multiply and row argmax (pointwise.cpp).
 
 Compiled on first use for one instruction-set variant (build.py: avx2, avxvnni, avx512,
-avx512vnni, amx; the best this CPU runs, or TOKENMILL_CPU_ISA), cached on disk under a key that
-includes the variant. On amx (Xeons with AMX) prompt chunks multiply on AMX tiles (amx.cpp). Where
+avx512vnni, avx512bf16, amx; the best this CPU runs, or TOKENMILL_CPU_ISA), cached on disk under a
+key that includes the variant. On amx (Xeons with AMX) prompt chunks multiply on AMX tiles, on
+avx512bf16 (AVX512-BF16 without AMX: AMD Zen 4/5) with VDPBF16PS, in bfloat16 (amx.cpp). Where
 no variant runs (no compiler, not x86-64, no AVX2) the callers keep PyTorch's kernels and say so once.
 
 This package owns the kernels and their weight layouts (panels.py, re-exported here) only; it
@@ -35,6 +36,9 @@ ACT_BITS = (8, 16)  # activation integer widths of the dot layout
 # on AMX tiles (amx variant): below it the integer and FMA kernels are faster (benchmarks/kernel_bench.py,
 # decode_batch.py and attention_bench.py measure the crossovers)
 AMX_MIN_ROWS = 12
+# The same bfloat16 products on VDPBF16PS (avx512bf16 variant: AVX512-BF16 without AMX, AMD Zen 4/5):
+# from this many rows they beat the 16-bit integer kernels (benchmarks/kernel_bench.py).
+BF16_MIN_ROWS = 64
 AMX_ENV = "TOKENMILL_AMX"  # "0": prompt chunks stay on the integer kernels (comparisons, TP=N's bits)
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "loaded": result of the one attempt to build/load; "isa", "dot"
@@ -75,23 +79,24 @@ def _load() -> bool:
         raise RuntimeError(f"tokenmill kernels: asked for {isa} but {built} is loaded ({path}).")
     _state["isa"], _state["path"] = isa, str(path)
     _state["dot"] = torch.ops.tokenmill.layout() == "dot"
-    if isa == "amx" and os.environ.get(AMX_ENV, "1") != "0":
+    if isa in ("amx", "avx512bf16") and os.environ.get(AMX_ENV, "1") != "0":
         refused = torch.ops.tokenmill.amx_status()  # asks the OS for tile state, once per process
         if refused:
             logger.warning("tokenmill: %s; prompt chunks run on the AVX512-VNNI kernels instead.", refused)
         else:
-            AMX["min_rows"] = AMX_MIN_ROWS
+            AMX["min_rows"] = AMX_MIN_ROWS if isa == "amx" else BF16_MIN_ROWS
     logger.info("tokenmill CPU kernels: %s variant (%s layout)", isa, torch.ops.tokenmill.layout())
     return True
 
 
 def amx() -> bool:
-    """True where prompt chunks run on AMX tiles: the amx variant is loaded and the OS granted tile state."""
+    """True where prompt chunks run as bfloat16 products (amx.cpp): on AMX tiles (the amx variant
+    loaded and tile state granted by the OS) or on VDPBF16PS (the avx512bf16 variant)."""
     return available() and AMX["min_rows"] > 0
 
 
 def isa() -> str | None:
-    """The loaded kernel variant (avx2, avxvnni, avx512, avx512vnni, amx), or None where they are not
+    """The loaded kernel variant (avx2, avxvnni, avx512, avx512vnni, avx512bf16, amx), or None where they are not
     loaded (not used yet, e.g. on a GPU, or unavailable: PyTorch's kernels serve)."""
     return str(_state["isa"]) if _state.get("loaded") else None
 
@@ -165,7 +170,7 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     whose K/V are already in the cache; block_table (W,) int64 -> (T, Hq, D), causal (and within
     `window` positions when window > 0)."""
     q = q.contiguous()
-    if (AMX["min_rows"] and q.shape[0] >= AMX["min_rows"] and q.shape[2] % 32 == 0  # both products on tiles
+    if (AMX["min_rows"] and _state["isa"] == "amx" and q.shape[0] >= AMX["min_rows"] and q.shape[2] % 32 == 0  # tiles
             and k_cache.dtype in (torch.float32, torch.float16)):  # 8-bit caches: the FMA kernel widens them
         return torch.ops.tokenmill.amx_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
     return torch.ops.tokenmill.paged_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
@@ -178,7 +183,7 @@ def encoder_attention_for(x: torch.Tensor, head_dim: int) -> bool:
     and runs several times slower than SDPA: SDPA serves there)."""
     return (head_dim % 16 == 0 and head_dim <= 256 and x.dtype in (torch.float32, torch.bfloat16)
             and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
-            and isa() in ("avx512", "avx512vnni", "amx"))
+            and isa() in ("avx512", "avx512vnni", "avx512bf16", "amx"))
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,

@@ -1,21 +1,28 @@
-// What the AMX kernels share (amx.cpp: projections, amx_attention.cpp: prompt attention): the guard
-// that compiles them into the `amx` variant only, the tile configuration, the bfloat16 pair layout.
+// What the bfloat16 matrix kernels share (amx.cpp: projections, amx_attention.cpp: prompt
+// attention): the guards that compile them into the `amx` variant (AMX tiles) and the `avx512bf16`
+// one (VDPBF16PS in zmm registers: AMD Zen 4/5), the tile configuration, the bfloat16 pair layout.
 #pragma once
 #include <string>
 
 #include "ops.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(TOKENMILL_DOT512)
+#if defined(__AVX512BF16__) && defined(TOKENMILL_DOT512)
+#define TOKENMILL_BF16MM 1  // amx_linear: prompt chunks in bfloat16 (tiles, or VDPBF16PS without them)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_AMX 1
+#endif
 
 namespace tokenmill {
 
-// "" once this process holds AMX tile state (asked of the OS once, amx.cpp), else why it does not.
+// "" once this process may use the bfloat16 products (AMX: tile state asked of the OS once,
+// amx.cpp; VDPBF16PS: always), else why not.
 std::string amx_status();
 
 // x (M, K) float32 times a dot-layout weight (amx.cpp; the decode stack's projections call it too).
 at::Tensor amx_linear(const at::Tensor& x, int64_t kind, const at::Tensor& a, const c10::optional<at::Tensor>& b,
                       const c10::optional<at::Tensor>& c, const c10::optional<at::Tensor>& d, int64_t N);
+
+#ifdef TOKENMILL_AMX
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -30,6 +37,7 @@ inline void configure_tiles() {
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
   _tile_loadconfig(&c);
 }
+#endif
 
 // a, b (16 float32 each) -> 32 bfloat16 (a0, b0, a1, b1, ...): one row of a TDPBF16PS B tile, whose
 // rows hold pairs of consecutive inputs k, k + 1 for each of 16 outputs. Round to nearest even.

@@ -50,6 +50,10 @@ VARIANTS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx512vnni": (_AVX512 + ("-mavx512vnni",),
                    frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                               "avx512_vnni"})),
+    # avx512vnni plus bfloat16 products for prompt chunks on VDPBF16PS (amx.cpp; AMD Zen 4/5)
+    "avx512bf16": (_AVX512 + ("-mavx512vnni", "-mavx512bf16"),
+                   frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                              "avx512_vnni", "avx512_bf16"})),
     # avx512vnni plus AMX tiles for prompt chunks (amx.cpp); decode keeps the VNNI kernels
     "amx": (_AVX512 + ("-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
             frozenset({"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
@@ -90,7 +94,7 @@ def executable(flags: frozenset[str] | None = None) -> list[str]:
 def best(flags: frozenset[str] | None = None) -> str | None:
     """The variant `auto` picks: the widest this CPU executes (VNNI before its absence)."""
     runs = executable(flags)
-    for name in ("amx", "avx512vnni", "avx512", "avxvnni", "avx2"):
+    for name in ("amx", "avx512bf16", "avx512vnni", "avx512", "avxvnni", "avx2"):
         if name in runs:
             return name
     return None

@@ -32,10 +32,10 @@ class StackKind(enum.IntEnum):
     Q23K = 9
 
 
-# Products on AMX tiles (amx.cpp, the `amx` variant), bfloat16 activations against weights decoded
-# per tile: decoding costs per weight and per call whatever the rows, the integer kernels' cost grows
-# with the rows, so from "min_rows" rows (prompt chunks, steps of many sequences) the tiles are
-# faster. Products of fewer than AMX_SMALL[0] weights, where a call's fixed costs weigh more, take
+# Products on AMX tiles (amx.cpp, the `amx` variant; VDPBF16PS on the `avx512bf16` one), bfloat16
+# activations against weights decoded per tile: decoding costs per weight and per call whatever the
+# rows, the integer kernels' cost grows with the rows, so from "min_rows" rows (prompt chunks, steps
+# of many sequences) the tiles are faster. Products of fewer than AMX_SMALL[0] weights, where a call's fixed costs weigh more, take
 # them from AMX_SMALL[1] rows. 0: off (another variant, or the OS refused tile state). Set by
 # tokenmill.kernels on load; benchmarks/kernel_bench.py and decode_batch.py measure the crossovers.
 AMX = {"min_rows": 0}

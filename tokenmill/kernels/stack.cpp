@@ -59,7 +59,7 @@ struct Projection {
     }
     const at::Tensor xi = perm.defined() ? x.index_select(1, perm) : x;
     at::Tensor y;
-#ifdef TOKENMILL_AMX
+#ifdef TOKENMILL_BF16MM
     const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const int64_t from = amx(n, x.size(1));
     if (from && !partial && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
@@ -170,8 +170,8 @@ class DecodeStack : public torch::CustomClassHolder {
   // Which products go to AMX tiles (the amx variant), as Linear does in the Python layers
   // (kernels.panels.amx_rows); rows 0 keeps every one on the integer kernels.
   void set_amx_rows(int64_t rows, int64_t small_rows, int64_t small_weights) {
-#ifndef TOKENMILL_AMX
-    TORCH_CHECK(rows == 0, "AMX products need the amx kernel variant");
+#ifndef TOKENMILL_BF16MM
+    TORCH_CHECK(rows == 0, "bfloat16 products need the amx or avx512bf16 kernel variant");
 #endif
     amx_rows_ = AmxRows{rows, small_rows, small_weights};
   }

@@ -77,7 +77,8 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
 
     cpu = ""
     if engine.device.type == "cpu":
-        cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations)" \
+        bf16 = f"; products of {kernels.AMX['min_rows']}+ rows in bfloat16" if kernels.amx() else ""
+        cpu = f", CPU kernels {kernels.isa()} ({engine.activation_bits}-bit activations{bf16})" \
             if kernels.isa() and engine.activation_bits else ", CPU kernels PyTorch"
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens ({engine.kv_cache_dtype}), max_model_len {engine.max_model_len}{cpu}"
