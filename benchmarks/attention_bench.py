@@ -113,7 +113,7 @@ row = {"start": a.start, "new": a.new, "batch": a.batch, "layers": a.layers, "kv
 runs = [("gather_sdpa", gather_sdpa, chunk_flop), ("context_kernel", context_kernel, chunk_flop)]
 if a.start:  # decode rows over START cached tokens
     runs.append(("decode_kernel", decode_kernel, decode_flop))
-if kernels.amx() and kv_dtype in (torch.float32, torch.float16):
+if kernels.isa() == "amx" and kernels.amx() and kv_dtype in (torch.float32, torch.float16):  # tiles (amx_attention.cpp)
     assert (gather_sdpa() - amx_kernel()).abs().max() < 5e-2  # Q, K, V, P rounded to bfloat16
     runs.insert(2, ("amx_kernel", amx_kernel, chunk_flop))
 for name, fn, flop in runs:

@@ -76,7 +76,7 @@ def test_int4_and_int8_checkpoints_run_on_tiles(amx, group, integer_kernels):
 
 
 @needs_bf16mm
-def test_layers_take_the_tiles_from_the_threshold(amx):
+def test_layers_take_the_tiles_from_the_threshold(amx, monkeypatch):
     raw = random_blocks(np.random.default_rng(0), 64, 512, "Q4_K")
     w = kquant.from_blocks("Q4_K", 64, 512, lambda a, b: raw[a:b])
     least = kernels.AMX_MIN_ROWS if kernels.isa() == "amx" else kernels.BF16_MIN_ROWS
@@ -89,6 +89,11 @@ def test_layers_take_the_tiles_from_the_threshold(amx):
     assert not torch.equal(w.matmul(few), _tile_product(w, few))  # decode batches: the integer kernels
     # a row-parallel rank's float64 partial sums stay on the integer kernels (TP=N gives TP=1's bits)
     assert w.matmul(x, partial=True).dtype == torch.float64
+    w.panels.act_bits = 8
+    eight = w.matmul(x)
+    assert torch.equal(eight, _tile_product(w, x)) != kernels.AMX["keep_8bit"]
+    monkeypatch.setitem(kernels.AMX, "min_rows", 0)
+    assert torch.equal(w.matmul(x), eight) == kernels.AMX["keep_8bit"]  # avx512bf16: the 8-bit VNNI kernels, faster
 
 
 @needs_bf16mm

@@ -85,6 +85,7 @@ def _load() -> bool:
             logger.warning("tokenmill: %s; prompt chunks run on the AVX512-VNNI kernels instead.", refused)
         else:
             AMX["min_rows"] = AMX_MIN_ROWS if isa == "amx" else BF16_MIN_ROWS
+            AMX["keep_8bit"] = isa != "amx"
     logger.info("tokenmill CPU kernels: %s variant (%s layout)", isa, torch.ops.tokenmill.layout())
     return True
 

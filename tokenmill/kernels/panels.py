@@ -38,7 +38,9 @@ class StackKind(enum.IntEnum):
 # of many sequences) the tiles are faster. Products of fewer than AMX_SMALL[0] weights, where a call's fixed costs weigh more, take
 # them from AMX_SMALL[1] rows. 0: off (another variant, or the OS refused tile state). Set by
 # tokenmill.kernels on load; benchmarks/kernel_bench.py and decode_batch.py measure the crossovers.
-AMX = {"min_rows": 0}
+# "keep_8bit": products with 8-bit activations stay on the integer kernels (avx512bf16: there the
+# 8-bit VNNI kernels are faster than VDPBF16PS; AMX tiles are faster than either).
+AMX = {"min_rows": 0, "keep_8bit": False}
 AMX_SMALL = (1 << 22, 16)
 AMX_KINDS = frozenset({StackKind.INT4_DOT, StackKind.INT8_DOT, StackKind.Q4K, StackKind.Q6K, StackKind.LUT,
                        StackKind.Q23K})
@@ -54,7 +56,7 @@ def _amx(x2: torch.Tensor, w: "_Panels", partial: bool) -> torch.Tensor | None:
     """The AMX product of x2 (M, K) float32, or None where it does not apply (too few rows, a
     row-parallel rank's float64 partial sums, a format without a tile decoder)."""
     rows = amx_rows(w.out_features, x2.shape[1])
-    if partial or not rows or x2.shape[0] < rows:
+    if partial or not rows or x2.shape[0] < rows or (w.act_bits == 8 and AMX["keep_8bit"]):
         return None
     kind, tensors = w.stack_args()
     if kind not in AMX_KINDS:

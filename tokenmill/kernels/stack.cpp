@@ -62,7 +62,12 @@ struct Projection {
 #ifdef TOKENMILL_BF16MM
     const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const int64_t from = amx(n, x.size(1));
-    if (from && !partial && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
+#ifndef TOKENMILL_AMX
+    const bool keep = bits == 8;  // VDPBF16PS: 8-bit activations are faster on the VNNI kernels (panels.AMX)
+#else
+    const bool keep = false;
+#endif
+    if (from && !partial && !keep && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
                                                           kind == kQ6K || kind == kLut || kind == kQ23K)) {
       y = amx_linear(xi, kind, q, opt(s), opt(m), opt(e), n);  // q, s, m, e hold panels.stack_args()' four
       return b.defined() ? y + b : y;
