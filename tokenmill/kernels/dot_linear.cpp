@@ -321,11 +321,11 @@ constexpr XForm kInt8X = kInt16;
 #include "rows_avx2.h"
 #endif
 
-// Many rows of x on AVX2 / AVX-VNNI (rows_avx2.h) for the int4 types without fifth bits: true
-// where it ran the product.
+// Many rows of x on AVX2 / AVX-VNNI (rows_avx2.h) for the int4 and 5-bit types (hp: the fifth
+// bits): true where it ran the product.
 template <class MakeScales>
 bool int4_many(const QuantizedX& xq, int64_t M, int64_t N, int64_t K, int64_t P, int64_t group, int64_t segment,
-               bool wide, const uint8_t* qp, MakeScales make, at::Tensor& y) {
+               bool wide, const uint8_t* qp, const uint8_t* hp, MakeScales make, at::Tensor& y) {
 #if defined(TOKENMILL_DOT512)
   return false;
 #else
@@ -333,8 +333,11 @@ bool int4_many(const QuantizedX& xq, int64_t M, int64_t N, int64_t K, int64_t P,
   for_each_tile(P, M, N, kManyRows, 1, [&](int64_t p, int, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
     const YOut yt = out_at(y, r, p * kLanes);
-    if (wide) int4_many_rows<true>(xr, rows, K, group, segment, qp + p * K * 8, make(p), yt, nvalid);
-    else int4_many_rows<false>(xr, rows, K, group, segment, qp + p * K * 8, make(p), yt, nvalid);
+    const uint8_t *qt = qp + p * K * 8, *ht = hp ? hp + p * K * 2 : nullptr;
+    if (hp && wide) int4_many_rows<true, decltype(make(p)), true>(xr, rows, K, group, segment, qt, make(p), yt, nvalid, ht);
+    else if (hp) int4_many_rows<false, decltype(make(p)), true>(xr, rows, K, group, segment, qt, make(p), yt, nvalid, ht);
+    else if (wide) int4_many_rows<true>(xr, rows, K, group, segment, qt, make(p), yt, nvalid);
+    else int4_many_rows<false>(xr, rows, K, group, segment, qt, make(p), yt, nvalid);
   });
   return true;
 #endif
@@ -383,7 +386,7 @@ at::Tensor int4_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   auto scales = [&](int64_t p) {
     return HalfScales{sp + p * G * kLanes, mp ? mp + p * G * kLanes : nullptr, G * kLanes, hp ? 16.f : 8.f};
   };
-  if (!hp && int4_many(xq, M, N, K, P, group, segment, bits == 16, qp, scales, y)) return y;
+  if (int4_many(xq, M, N, K, P, group, segment, bits == 16, qp, hp, scales, y)) return y;
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);
@@ -416,7 +419,7 @@ at::Tensor q4k_linear_dot(const at::Tensor& x, const at::Tensor& q, const at::Te
   const uint8_t *qp = q.data_ptr<uint8_t>(), *smp = sm.data_ptr<uint8_t>(), *hp = fifth_bits(qh, P, K);
   const at::Half* ddp = dd.data_ptr<at::Half>();
   auto scales = [&](int64_t p) { return KScales{smp + p * K, ddp + p * (K / 8), K, K / 8}; };
-  if (!hp && int4_many(xq, M, N, K, P, group, segment, bits == 16, qp, scales, y)) return y;
+  if (int4_many(xq, M, N, K, P, group, segment, bits == 16, qp, hp, scales, y)) return y;
   const int tile = bits == 16 ? kInt4Rows16 : kInt4Rows8;
   for_each_tile(P, M, N, tile, kDotPanels, [&](int64_t p, int np, int64_t r, int rows, int nvalid) {
     const XRows xr = rows_at(xq, r, K, group);

@@ -1,4 +1,4 @@
-// AVX2 / AVX-VNNI int4 and Q6_K products of many rows (prompt chunks, large batches), included by
+// AVX2 / AVX-VNNI int4, 5-bit and Q6_K products of many rows (prompt chunks, large batches), included by
 // dot_linear.cpp and kquant.cpp inside their anonymous namespaces (they hold dot.h's helpers).
 //
 // The few-row tiles (dot_linear.cpp) hold MT rows' integer and float accumulators in registers and
@@ -30,13 +30,24 @@ inline __m256i block_dot(const __m256i* w, const int8_t* p) {
   return quad_sums(a);
 }
 
-// int4 weights (HalfScales or KScales; not the 5-bit types), `rows` <= kManyRows rows of x from
-// x's first row, one panel (16 outputs, nvalid of them real). W: 16-bit x (h and l halves).
-template <bool W, class S>
+// The same for 5-bit weights (0..31): VPMADDUBSW's pairs of two octets would pass int16 over a
+// block, so they widen per octet (dot_wide), as the 5-bit tiles do.
+inline __m256i block_dot5(const __m256i* w, const int8_t* p) {
+  __m256i a = dot_wide(_mm256_setzero_si256(), w[0], bcast4(p), w[1], bcast4(p + 4));
+  a = dot_wide(a, w[2], bcast4(p + 8), w[3], bcast4(p + 12));
+  a = dot_wide(a, w[4], bcast4(p + 16), w[5], bcast4(p + 20));
+  return dot_wide(a, w[6], bcast4(p + 24), w[7], bcast4(p + 28));
+}
+
+// int4 weights (HalfScales or KScales; H: 5-bit, their fifth bits in qh as the tiles read them),
+// `rows` <= kManyRows rows of x from x's first row, one panel (16 outputs, nvalid of them real).
+// W: 16-bit x (h and l halves).
+template <bool W, class S, bool H = false>
 __attribute__((noinline)) void int4_many_rows(XRows x, int rows, int64_t K, int64_t group, int64_t segment,
-                                              const uint8_t* q, S sc, YOut y, int nvalid) {
+                                              const uint8_t* q, S sc, YOut y, int nvalid, const uint8_t* qh = nullptr) {
   const int64_t nb = K / 32, ng = K / group, bpg = group / 32, gps = segment / group;
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+  auto prod = [](const __m256i* w, const int8_t* p) { return H ? block_dot5(w, p) : block_dot(w, p); };
   alignas(32) float acc[kManyRows][8];
   for (int u = 0; u < 2; ++u) {
     Sum8 sum[kManyRows];
@@ -46,16 +57,22 @@ __attribute__((noinline)) void int4_many_rows(XRows x, int rows, int64_t K, int6
         const __m256 s = sc.scale(g, u);
         for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
           __m256i w[8];  // octet o's lows in w[2o], highs in w[2o + 1]
+          __m256i hb = _mm256_setzero_si256();
+          if constexpr (H) hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + b * 64 + u * 32));
           for (int o = 0; o < 4; ++o) {
             const uint8_t* qo = q + (b * 4 + o) * 64;
             if (u == 0) prefetch_ahead(qo);
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qo + u * 32));
             w[2 * o] = _mm256_and_si256(v, low), w[2 * o + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (H) {
+              w[2 * o] = _mm256_or_si256(w[2 * o], _mm256_and_si256(fifth_bit(hb, o), bit4));
+              w[2 * o + 1] = _mm256_or_si256(w[2 * o + 1], _mm256_and_si256(fifth_bit(hb, o + 4), bit4));
+            }
           }
           for (int r = 0; r < rows; ++r) {
             const int64_t at = r * K + b * 32;
-            __m256i dot = block_dot(w, x.h + at);
-            if constexpr (W) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), block_dot(w, x.l + at));
+            __m256i dot = prod(w, x.h + at);
+            if constexpr (W) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), prod(w, x.l + at));
             const __m256 ds = _mm256_mul_ps(s, _mm256_set1_ps(x.d[r * nb + b]));
             _mm256_store_ps(acc[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, _mm256_load_ps(acc[r])));
           }
