@@ -117,7 +117,7 @@ def test_decode_steps_of_many_sequences_take_the_tiles(amx, tiny_llama, monkeypa
     assert run() == tiles  # the Python layers: the same rows on the tiles
     monkeypatch.setitem(kernels.AMX, "min_rows", 0)
     assert run() != tiles  # the integer kernels
-    stack.set_amx_rows(0, 0, 0)
+    stack.set_amx_rows(0, 0, 0, False)
     model.decode_stack = stack
     integer = run()
     model.decode_stack = None

@@ -32,6 +32,7 @@ enum Act : int64_t { kSilu = 0, kGelu = 1, kGeluTanh = 2 };
 // `small_rows` for a product of fewer than `small_weights` weights; rows 0: never.
 struct AmxRows {
   int64_t rows = 0, small_rows = 0, small_weights = 0;
+  bool keep_8bit = false;  // products with 8-bit activations stay on the integer kernels (panels.AMX)
   int64_t operator()(int64_t n, int64_t k) const {
     return rows && n * k < small_weights ? std::max(rows, small_rows) : rows;
   }
@@ -62,12 +63,7 @@ struct Projection {
 #ifdef TOKENMILL_BF16MM
     const auto opt = [](const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; };
     const int64_t from = amx(n, x.size(1));
-#ifndef TOKENMILL_AMX
-    const bool keep = bits == 8;  // VDPBF16PS: 8-bit activations are faster on the VNNI kernels (panels.AMX)
-#else
-    const bool keep = false;
-#endif
-    if (from && !partial && !keep && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
+    if (from && !partial && !(bits == 8 && amx.keep_8bit) && x.size(0) >= from && (kind == kInt4Dot || kind == kInt8Dot || kind == kQ4K ||
                                                           kind == kQ6K || kind == kLut || kind == kQ23K)) {
       y = amx_linear(xi, kind, q, opt(s), opt(m), opt(e), n);  // q, s, m, e hold panels.stack_args()' four
       return b.defined() ? y + b : y;
@@ -174,11 +170,11 @@ class DecodeStack : public torch::CustomClassHolder {
   // `shm`: the ranks share this host's memory (the fast path); else the group's c10d all-reduce.
   // Which products go to AMX tiles (the amx variant), as Linear does in the Python layers
   // (kernels.panels.amx_rows); rows 0 keeps every one on the integer kernels.
-  void set_amx_rows(int64_t rows, int64_t small_rows, int64_t small_weights) {
+  void set_amx_rows(int64_t rows, int64_t small_rows, int64_t small_weights, bool keep_8bit) {
 #ifndef TOKENMILL_BF16MM
     TORCH_CHECK(rows == 0, "bfloat16 products need the amx or avx512bf16 kernel variant");
 #endif
-    amx_rows_ = AmxRows{rows, small_rows, small_weights};
+    amx_rows_ = AmxRows{rows, small_rows, small_weights, keep_8bit};
   }
 
   void set_tensor_parallel(c10::optional<c10::intrusive_ptr<ShmAllReduce>> shm, std::string group) {

@@ -41,7 +41,8 @@ def build(model: CausalLM) -> object | None:
                                                 cfg.rms_norm_eps, _ACTS[cfg.hidden_act], model.attention_layers()[0].scale)
     if model.tp_group is not None:
         stack.set_tensor_parallel(model.tp_group.shm, model.tp_group.name)
-    stack.set_amx_rows(kernels.AMX["min_rows"], kernels.AMX_SMALL[1], kernels.AMX_SMALL[0])  # as Linear
+    stack.set_amx_rows(kernels.AMX["min_rows"], kernels.AMX_SMALL[1], kernels.AMX_SMALL[0],  # as Linear
+                       kernels.AMX["keep_8bit"])
     for layer in model.model.layers:
         sa = layer.self_attn
         qk = (sa.q_norm.factor(), sa.k_norm.factor()) if sa.qk_norm else (None, None)
