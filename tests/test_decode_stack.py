@@ -71,7 +71,9 @@ def test_stack_checks_what_it_is_given():
         stack.add_projection(0, torch.zeros(32, 64), None, None, None, None, None, 32, 16, 0, 0, None)
     with pytest.raises(RuntimeError, match="incomplete"):
         stack.forward(torch.zeros(1, 64), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, dtype=torch.long),
-                      torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), None, None)
+                      torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), None, None, None)
+    with pytest.raises(RuntimeError, match="no projection 4"):
+        stack.set_lora(0, 4, torch.zeros(1, 1, 16, 64), torch.zeros(1, 16, 64), torch.zeros(1, 1, dtype=torch.long), [0, 64])
     assert decode_stack.enabled()
 
 

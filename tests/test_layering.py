@@ -16,7 +16,8 @@ PKG = pathlib.Path(__file__).resolve().parent.parent / "tokenmill"
 
 # bottom to top; the top-level modules are one-file packages of floor 0
 FLOORS = [
-    {"kernels", "config", "cpus", "outputs", "pooling_params", "resources", "sampling_params", "utils"},
+    {"kernels", "config", "cpus", "lora_request", "outputs", "pooling_params", "resources", "sampling_params",
+     "utils"},
     {"core", "structured", "quant", "sampling", "flags"},
     {"layers"},
     {"models"},

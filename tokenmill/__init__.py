@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 _EXPORTS = {"LLM": "tokenmill.engine.llm", "SamplingParams": "tokenmill.sampling_params",
             "StructuredOutputsParams": "tokenmill.sampling_params", "RequestOutput": "tokenmill.outputs",
             "CompletionOutput": "tokenmill.outputs", "PoolingParams": "tokenmill.pooling_params",
-            "PoolingRequestOutput": "tokenmill.outputs"}
+            "PoolingRequestOutput": "tokenmill.outputs", "LoRARequest": "tokenmill.lora_request"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from tokenmill.engine.llm import LLM
+    from tokenmill.lora_request import LoRARequest
     from tokenmill.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
     from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams

@@ -221,6 +221,32 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's choices for --max-lora-rank
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = field(default=False, metadata=_help(
+        "serve LoRA adapters of this model (PEFT directories or llama.cpp LoRA GGUF files): a request names one "
+        "by its model field (server) or lora_request (LLM.generate); requests for different adapters and the "
+        "base share each step"))
+    max_loras: int = field(default=1, metadata=_help(
+        "adapters one step may run at once (each has a slot of its own weights beside every projection); "
+        "others wait in host memory and are swapped in, least recently used out"))
+    max_lora_rank: int = field(default=16, metadata=_help(
+        f"highest adapter rank accepted; the slots are this wide ({', '.join(map(str, MAX_LORA_RANKS))})"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, str) and v.strip().isdigit():
+                object.__setattr__(self, name, v := int(v))
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r:.40}.")
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(MAX_LORA_RANKS)}, got {self.max_lora_rank}.")
+
+
 EXECUTOR_BACKENDS = ("mp", "ray")
 
 
@@ -250,13 +276,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Flat keyword arguments (as `LLM(...)` and the CLI take them) -> nested config."""
         parts = {}
         for name, sub in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig),
-                          ("parallel", ParallelConfig)):
+                          ("parallel", ParallelConfig), ("lora", LoRAConfig)):
             names = {f.name for f in fields(sub)}
             parts[name] = sub(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:

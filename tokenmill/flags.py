@@ -8,9 +8,9 @@ import math
 import os
 from dataclasses import MISSING, fields
 
-from tokenmill.config import CacheConfig, ModelConfig, ParallelConfig, SchedulingConfig
+from tokenmill.config import CacheConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulingConfig
 
-ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulingConfig, ParallelConfig)
+ENGINE_CONFIGS = (ModelConfig, CacheConfig, SchedulingConfig, ParallelConfig, LoRAConfig)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,8 @@ def add_config_args(p: argparse.ArgumentParser, *configs) -> None:
     """One flag per field of each frozen config dataclass: `--kebab-case` of the field's name (or the
     metadata's `flag`; None: no flag, another part of the command line sets it), its help from the
     metadata, booleans as --x / --no-x; the metadata may give `type`, `choices` or `action="append"`
-    (repeatable), else the annotation decides. Each flag's value lands under the field's name."""
+    (repeatable) / `"extend"` (several values, repeatable), else the annotation decides. Each flag's
+    value lands under the field's name."""
     for cls in configs:
         for f in fields(cls):
             name = f.metadata.get("flag", f.name.replace("_", "-"))
@@ -35,6 +36,9 @@ def add_config_args(p: argparse.ArgumentParser, *configs) -> None:
                 continue
             if f.metadata.get("action") == "append":
                 p.add_argument(flag, dest=f.name, action="append", default=None, help=help_text)
+                continue
+            if f.metadata.get("action") == "extend":  # one or more values per flag, the flag repeatable
+                p.add_argument(flag, dest=f.name, action="extend", nargs="+", default=None, help=help_text)
                 continue
             kind = f.metadata.get("type") or scalar_type(f.type)
             suffix = "" if "default" in help_text else f" (default: {default})"

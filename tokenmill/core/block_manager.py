@@ -10,7 +10,8 @@ Prefix caching: once a block is full of computed (final) tokens it gets a key,
 `(parent block's key id, its token ids)` — a chain that identifies the whole prefix. Keys are
 compared by value (dict lookup), so two different prefixes can never alias, whatever their hash.
 A request's `cache_salt` becomes part of its first block's parent: requests with different salts
-(tenants) never share a block, so none can learn from cache hits what another one sent.
+(tenants) never share a block, so none can learn from cache hits what another one sent. So does its
+LoRA adapter: the same tokens under another adapter (or the base) have other keys and values.
 A freed block keeps its key and content while it waits in the free list; a later request with the
 same prefix takes it back instead of recomputing it. Eviction is least-recently-freed first, and
 blocks with no key (nothing worth keeping) are handed out before any cached one:
@@ -24,7 +25,7 @@ from collections import OrderedDict
 
 from tokenmill.core.request import Request
 
-BlockKey = tuple[int | tuple[int, str], tuple[int, ...]]  # (parent key id or salted root, token ids of the block)
+BlockKey = tuple[int | tuple, tuple[int, ...]]  # (parent key id or salted root, token ids of the block)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,9 +49,11 @@ class BlockManager:
         self.num_queries = 0   # prompt tokens looked up
         self.num_hits = 0      # of those, found in the cache
 
-    def _root(self, req: Request) -> int | tuple[int, str]:
-        """The parent of a request's first block: the manager's root, salted per request."""
-        return self.root_id if req.cache_salt is None else (self.root_id, req.cache_salt)
+    def _root(self, req: Request) -> int | tuple:
+        """The parent of a request's first block: the manager's root, salted per request and adapter."""
+        if req.cache_salt is None and req.lora_name is None:
+            return self.root_id
+        return (self.root_id, req.cache_salt, req.lora_name)
 
     @property
     def num_free_blocks(self) -> int:

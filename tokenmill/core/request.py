@@ -24,8 +24,10 @@ class Request:
 
     def __init__(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: set[int], arrival_time: float | None = None, priority: int = 0,
-                 cache_salt: str | None = None, pooling: PoolingParams | None = None) -> None:
+                 cache_salt: str | None = None, pooling: PoolingParams | None = None,
+                 lora_name: str | None = None) -> None:
         self.req_id = req_id
+        self.lora_name = lora_name  # the LoRA adapter it runs under; None: the base model
         # a pooling request prefills its prompt and ends with one vector (`pooled`), no tokens
         self.pooling = pooling
         self.pooled: list[float] | None = None

@@ -22,6 +22,7 @@ class NewRequest:
     params: SamplingParams
     eos_token_ids: list[int]
     pooling: PoolingParams | None = None  # a pooling request: one vector at the end of its prompt, no tokens
+    lora_name: str | None = None  # the LoRA adapter it runs under (added to the runner beforehand), None: the base
 
 
 @dataclass

@@ -42,6 +42,7 @@ class SchedulerConfig:
     long_prefill_slowdown: float = 0.0  # > 1: long prompts paced beside decoders (pacing.py); 0: off
     # an encoder's input runs whole in one step (every token attends to every other: no chunks)
     whole_prompts: bool = False
+    max_loras: int = 0  # LoRA adapters the running requests may use at once (the runner's slots); 0: no LoRA
 
     def __post_init__(self) -> None:
         if self.policy not in ("fcfs", "priority"):
@@ -184,13 +185,16 @@ class Scheduler:
         bm = self.block_manager
         order = list(self.waiting) if self.config.policy == "fcfs" else \
             sorted(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
-        in_flight = {tuple(r.token_ids[:bm.block_size]) for r in self.running
+        in_flight = {(r.lora_name, r.cache_salt, tuple(r.token_ids[:bm.block_size])) for r in self.running
                      if r.num_computed_tokens < r.prompt_len} if bm.enable_prefix_caching else set()
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if req.lora_name is not None and req.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                continue  # every adapter slot is taken by running requests: it waits, others may go ahead
             cached = bm.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
-            head = tuple(req.token_ids[:bm.block_size])
+            head = (req.lora_name, req.cache_salt, tuple(req.token_ids[:bm.block_size]))
             if not cached and req.num_tokens > bm.block_size and head in in_flight:
                 continue
             num_cached = len(cached) * bm.block_size
@@ -209,6 +213,8 @@ class Scheduler:
             self.running.append(req)
             scheduled[req.req_id] = self._entry(req, num_new, [], out)
             budget -= num_new
+            if req.lora_name is not None:
+                adapters.add(req.lora_name)
             bm.count_lookup(req.num_tokens, num_cached)
             if bm.enable_prefix_caching:
                 in_flight.add(head)  # its blocks are cached once computed: same-prefix requests wait
@@ -236,7 +242,7 @@ class Scheduler:
         kept = self._blocks_sent.get(req.req_id)
         if kept is None:
             out.new_requests.append(NewRequest(req.req_id, req.token_ids, req.prompt_len, req.params,
-                                               sorted(req.eos_token_ids), req.pooling))
+                                               sorted(req.eos_token_ids), req.pooling, req.lora_name))
             kept = 0
         self._blocks_sent[req.req_id] = len(req.block_table)
         last = end == req.num_tokens

@@ -52,7 +52,7 @@ class EngineClient(Protocol):
     tasks: frozenset[str]  # what the model serves: generate, embed, classify
 
     def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                 priority: int = 0, cache_salt: str | None = None
+                 priority: int = 0, cache_salt: str | None = None, lora_name: str | None = None
                  ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]: ...
     @property
     def num_waiting(self) -> int:
@@ -121,9 +121,10 @@ class AsyncEngine:
 
     # ---------------------------------------------------------------- event-loop side
     async def generate(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
-                       priority: int = 0, cache_salt: str | None = None
+                       priority: int = 0, cache_salt: str | None = None, lora_name: str | None = None
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
-        """The request's outputs as the engine makes them; with PoolingParams one, its vector."""
+        """The request's outputs as the engine makes them; with PoolingParams one, its vector.
+        `lora_name`: a LoRA adapter loaded in the engine that it runs under (None: the base)."""
         if self._dead is not None:
             raise EngineDeadError("the engine has stopped after an internal error")
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:  # compiled here, off the engine thread (ValueError: 400)
@@ -139,7 +140,8 @@ class AsyncEngine:
         added: concurrent.futures.Future = concurrent.futures.Future()
         now = time.monotonic()
         deadlines = (now + (self.request_timeout or math.inf), now + (self.max_queue_time or math.inf))
-        self._cmds.put(("add", req_id, prompt, params, priority, cache_salt, added, (loop, out_q), deadlines))
+        self._cmds.put(("add", req_id, prompt, params, priority, cache_salt, lora_name, added, (loop, out_q),
+                        deadlines))
         self._wake.set()
         finished = False
         try:  # from here on a caller that goes away (cancellation) aborts the request, even mid-add
@@ -171,6 +173,17 @@ class AsyncEngine:
     def abort(self, req_id: str) -> None:
         self._cmds.put(("abort", req_id))
         self._wake.set()
+
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """fn(engine) run on the engine thread between steps (the engine is not thread-safe); its
+        result, or its exception raised here. For the rare calls that change the engine: LoRA
+        adapters loaded and unloaded at run time, the list of them."""
+        if self._dead is not None:
+            raise EngineDeadError("the engine has stopped after an internal error")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("call", fn, done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -233,9 +246,10 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, req_id, prompt, params, priority, cache_salt, added, target, deadlines = cmd
+                _, req_id, prompt, params, priority, cache_salt, lora_name, added, target, deadlines = cmd
                 try:
-                    self.engine.add_request(req_id, prompt, params, priority=priority, cache_salt=cache_salt)
+                    self.engine.add_request(req_id, prompt, params, priority=priority, cache_salt=cache_salt,
+                                            lora_request=lora_name)
                 except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
                     with self._lock:
                         self._pending_adds -= 1
@@ -248,6 +262,14 @@ class AsyncEngine:
                     self._pending_adds -= 1
                     self._engine_waiting = self.engine.num_waiting()
                 _settle(added)  # a caller that left meanwhile has queued an abort behind this add
+            elif cmd[0] == "call":
+                _, fn, done = cmd
+                try:
+                    result = fn(self.engine)
+                except Exception as e:  # noqa: BLE001 - reported to the caller, engine unharmed
+                    _settle(done, error=e)
+                else:
+                    _settle(done, result)
             else:
                 self._abort(cmd[1])
 
@@ -286,11 +308,11 @@ def _cause(e: BaseException) -> str:
     return f": {e}" if isinstance(e, WorkerDiedError) else ""
 
 
-def _settle(future: concurrent.futures.Future, error: BaseException | None = None) -> None:
-    """Resolve the caller's add future unless the caller cancelled it (it went away)."""
+def _settle(future: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
+    """Resolve the caller's future unless the caller cancelled it (it went away)."""
     try:
         if error is None:
-            future.set_result(None)
+            future.set_result(result)
         else:
             future.set_exception(error)
     except concurrent.futures.InvalidStateError:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
@@ -25,21 +26,29 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists or `{"prompt_token_ids": [...]}` dicts. Returns one
-        RequestOutput per prompt, in order."""
+        RequestOutput per prompt, in order. `lora_request`: the LoRA adapter all prompts run under,
+        or one per prompt (None: the base model); needs an LLM built with enable_lora."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params.")
-        return self._run([_as_prompt(p) for p in prompts], [p or SamplingParams() for p in params], use_tqdm)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests.")
+        if any(lr is not None and not isinstance(lr, LoRARequest) for lr in loras):
+            raise ValueError("lora_request takes LoRARequest objects (or None for the base model).")
+        return self._run([_as_prompt(p) for p in prompts], [p or SamplingParams() for p in params], use_tqdm, loras)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them."""
         tok = self.engine.tokenizer
         if tok is None:
@@ -50,7 +59,7 @@ class LLM:
             text = tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
                                            template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[PoolingRequestOutput]:
@@ -103,13 +112,13 @@ class LLM:
         return self._run(items, [params] * len(items), use_tqdm)
 
     def _run(self, prompts: list[tuple[str | None, list[int] | str]], params: list[SamplingParams | PoolingParams],
-             use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+             use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.engine
         ids = []
         try:
-            for (text, prompt), p in zip(prompts, params):
+            for (text, prompt), p, lora in zip(prompts, params, loras or [None] * len(prompts)):
                 req_id = f"gen-{next(self._ids)}"
-                engine.add_request(req_id, prompt, p, prompt_text=text)
+                engine.add_request(req_id, prompt, p, prompt_text=text, lora_request=lora)
                 ids.append(req_id)
         except ValueError:
             for req_id in ids:

@@ -36,6 +36,8 @@ from tokenmill.core.request import Request
 from tokenmill.core.sched_output import StepStats
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.core.speculation import DraftPolicy
+from tokenmill.lora_request import LoRARequest
+from tokenmill.engine.adapters import Adapters
 from tokenmill.engine.output import OutputProcessor
 from tokenmill.engine.threads import ThreadGovernor, default_threads
 from tokenmill.engine import tasks
@@ -88,6 +90,7 @@ class LLMEngine:
             self._build_decoder(config)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) if self.tokenizer else set()
         self.output = OutputProcessor(self.tokenizer, self.scheduler)
+        self.adapters = Adapters(self.executor, self.config.lora.enable_lora)
         self._stats: StepStats | None = None   # the last step's, until `stats()` takes it
         self._aborted: list[Request] = []      # sequences aborts ended since `stats()` was last taken
 
@@ -96,8 +99,8 @@ class LLMEngine:
         from tokenmill.runner.encoder_runner import EncoderRunner
 
         mc, cc, sc = config.model, config.cache, config.scheduling
-        if config.parallel.tensor_parallel_size > 1 or sc.speculative_config is not None:
-            raise ValueError("an encoder model runs on one rank without speculative decoding.")
+        if config.parallel.tensor_parallel_size > 1 or sc.speculative_config is not None or config.lora.enable_lora:
+            raise ValueError("an encoder model runs on one rank without speculative decoding or LoRA adapters.")
         loaded = encoder_loader.load(self.model_path, not mc.skip_tokenizer_init, mc.dtype, mc.quantization,
                                      mc.quantization_group_size, mc.activation_bits, self.device)
         model = loaded.model
@@ -128,7 +131,9 @@ class LLMEngine:
         return max_len
 
     def _build_decoder(self, config: EngineConfig) -> None:
-        mc, cc, sc = config.model, config.cache, config.scheduling
+        mc, cc, sc, lc = config.model, config.cache, config.scheduling, config.lora
+        if lc.enable_lora and config.parallel.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run on one rank; tensor_parallel_size > 1 does not serve them yet.")
         t0 = time.monotonic()
         tp_group = self.executor.group
         loaded = loader.load(self.model_path, mc.dtype, self.device, load_tokenizer=not mc.skip_tokenizer_init,
@@ -166,7 +171,8 @@ class LLMEngine:
         self.executor.attach(ModelRunner(loaded.model, num_blocks, cc.block_size, self.device, self.kv_dtype,
                                          proposer, grammars=self.grammars,
                                          normalize_embeddings=pooled is not None and pooled.normalize,
-                                         classifier_tokens=self.serves.classifier_tokens))
+                                         classifier_tokens=self.serves.classifier_tokens,
+                                         lora_slots=(lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None))
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,
@@ -175,7 +181,8 @@ class LLMEngine:
         # no block is given back early
         window = self.arch.sliding_window if draft is None else None
         self.scheduler = Scheduler(SchedulerConfig(sc.max_num_seqs, sc.max_num_batched_tokens, self.max_model_len,
-                                                   sc.scheduling_policy, window, sc.long_prefill_slowdown),
+                                                   sc.scheduling_policy, window, sc.long_prefill_slowdown,
+                                                   max_loras=lc.max_loras if lc.enable_lora else 0),
                                    self.block_manager, policy)
         self.kv_capacity_tokens, self.kv_num_blocks = num_blocks * cc.block_size, num_blocks
         self.kv_cache_dtype = kv_cache.dtype_name(self.kv_dtype)
@@ -187,18 +194,21 @@ class LLMEngine:
     # ------------------------------------------------------------------ intake
     def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                    prompt_text: str | None = None) -> None:
+                    prompt_text: str | None = None, lora_request: LoRARequest | str | None = None) -> None:
         """`cache_salt`: requests share cached prefix blocks only with requests of the same salt
         (vLLM's field; one per tenant keeps tenants from probing each other's prompts).
         `prompt_text`: the prompt the outputs show, where token ids are given for a text (a
-        rendered chat). PoolingParams make it a pooling request: one vector, no tokens."""
+        rendered chat). PoolingParams make it a pooling request: one vector, no tokens.
+        `lora_request`: the LoRA adapter it runs under (added on first use), or the name of one
+        added before; None: the base model."""
         params = params or SamplingParams()
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r:.100}.")
         if req_id in self.output:
             raise ValueError(f"request id {req_id!r} is already in use.")
+        lora = self.adapters.resolve(lora_request)
         if isinstance(params, PoolingParams):
-            self._add_pooling(req_id, prompt, params, arrival_time, priority, cache_salt, prompt_text)
+            self._add_pooling(req_id, prompt, params, arrival_time, priority, cache_salt, prompt_text, lora)
             return
         if "generate" not in self.tasks:
             raise ValueError(f"this model serves {sorted(self.tasks)}; it does not generate text.")
@@ -214,21 +224,34 @@ class LLMEngine:
         self.compile_constraint(params)
         params_list = [params] if params.n == 1 else [params.child(i) for i in range(params.n)]
         children = [Request(req_id if params.n == 1 else f"{req_id}#{i}", ids, p, self.eos_token_ids, arrival_time,
-                            priority, cache_salt) for i, p in enumerate(params_list)]
+                            priority, cache_salt, lora_name=lora) for i, p in enumerate(params_list)]
         for req in children:
             self.scheduler.add_request(req)
         self.output.add(req_id, text if prompt_text is None else prompt_text, ids, children)
 
     def _add_pooling(self, req_id: str, prompt: str | list[int], params: PoolingParams, arrival_time: float | None,
-                     priority: int, cache_salt: str | None, prompt_text: str | None) -> None:
+                     priority: int, cache_salt: str | None, prompt_text: str | None, lora: str | None) -> None:
         text, ids = self._tokenize(prompt)
         self.serves.check(params, len(ids), self.max_model_len)
         if cdiv(len(ids), self.block_size) > self.block_manager.num_blocks:
             raise ValueError(f"this input needs {len(ids)} tokens of KV cache but the cache holds only "
                              f"{self.kv_capacity_tokens}; raise kv_cache_memory.")
-        req = Request(req_id, ids, SamplingParams(max_tokens=1), set(), arrival_time, priority, cache_salt, params)
+        req = Request(req_id, ids, SamplingParams(max_tokens=1), set(), arrival_time, priority, cache_salt, params, lora)
         self.scheduler.add_request(req)
         self.output.add(req_id, text if prompt_text is None else prompt_text, ids, [req])
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Reads and checks an adapter so requests can name it (engine/adapters.py)."""
+        self.adapters.add(lora)
+
+    def remove_lora(self, name: str) -> None:
+        """Unloads an adapter once no request uses it; KeyError if none has this name."""
+        self.adapters.remove(name)
+        self.adapters.reap(self.scheduler.requests.values())
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.adapters.list()
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile (and cache) a request's structured-output constraint, or raise ValueError
@@ -277,6 +300,7 @@ class LLMEngine:
         out, stopped = self.output.abort(req_id)
         self._aborted += stopped
         self._release_if_idle()
+        self.adapters.reap(self.scheduler.requests.values())
         return out
 
     def was_scheduled(self, req_id: str) -> bool:
@@ -321,6 +345,7 @@ class LLMEngine:
         self._stats = self.scheduler.stats
         self._stats.finished += finished
         self._release_if_idle()
+        self.adapters.reap(self.scheduler.requests.values())
         return outputs
 
     def _release_if_idle(self) -> None:

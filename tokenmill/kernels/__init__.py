@@ -229,6 +229,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.ops.tokenmill.silu_mul(gate_up)
 
 
+def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
+              slots: torch.Tensor, offsets: list[int]) -> None:
+    """y (T, N) += each row's LoRA delta: row t under adapter slot slots[t] (-1: none), A (S, P, R, K),
+    B (S, R, N) with the scale folded in, ranks (S, P), part p's columns [offsets[p], offsets[p+1])
+    (lora.cpp)."""
+    torch.ops.tokenmill.lora_add_(y, x, a, b, ranks, slots, offsets)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slots: torch.Tensor, k_smooth: torch.Tensor | None = None) -> None:
     """Each token's K/V rows, k/v (T, Hkv, D) float32, into its cache slot in the cache's format

@@ -36,7 +36,7 @@ HERE = pathlib.Path(__file__).parent
 # not sized to the machine, so that every machine builds the same binary for the same cache name.
 UNITS = (("dot_linear.cpp", "kquant.cpp", "linear.cpp", "shm.cpp", "amx.cpp"),
          ("stack.cpp", "lut.cpp", "attention.cpp", "context_attention.cpp", "pointwise.cpp", "amx_attention.cpp",
-          "encoder_attention.cpp"))
+          "encoder_attention.cpp", "lora.cpp"))
 SOURCES = [HERE / f for unit in UNITS for f in unit]
 HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h", "decode_avx2.h", "rows_avx2.h", "amx.h")]
 

@@ -60,5 +60,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 void head_rms_norm_(at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& gate_up);
+// y (T, N) += each row's LoRA delta under its adapter slot (lora.cpp)
+void lora_add_(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, const at::Tensor& B, const at::Tensor& ranks,
+               const at::Tensor& slots, at::IntArrayRef offsets);
 
 }  // namespace tokenmill

@@ -86,6 +86,17 @@ struct Projection {
   }
 };
 
+// One projection's LoRA adapter slots (layers/lora.py's LoRABank, the same tensors: slots filled
+// from Python show here at once).
+struct LoraSlots {
+  at::Tensor a, b, ranks;
+  std::vector<int64_t> offsets;
+  // y += each row's delta, rows under slots (-1: none)
+  void add(at::Tensor& y, const at::Tensor& x, const at::Tensor& slots) const {
+    if (a.defined()) lora_add_(y, x, a, b, ranks, slots, offsets);
+  }
+};
+
 struct Layer {
   at::Tensor in_norm, post_norm, k_cache, v_cache;
   int64_t window = 0, rope = 0;  // sliding window (0: global); which rotary table (1: the local one)
@@ -99,6 +110,7 @@ struct Layer {
   at::Tensor router, shared_gate;  // shared_gate: (1, hidden) when there is a shared expert
   std::vector<Projection> expert_proj;
   at::Tensor q_smooth, k_smooth;  // optional key smoothing of an int8 cache: (Hq, D), (Hkv, D) (models/kv_smoothing.py)
+  LoraSlots lora[4];              // adapters of qkv, o, gate_up, down, where set
 
   size_t expert_projections() const { return 2 * num_experts + (shared_gate.defined() ? 2 : 0); }
   bool complete() const { return num_experts ? proj.size() == 2 && expert_proj.size() == expert_projections() : proj.size() == 4; }
@@ -182,6 +194,15 @@ class DecodeStack : public torch::CustomClassHolder {
     tp_group_ = std::move(group);
   }
 
+  // LoRA slots of layer `layer`'s projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down): A (S, P, R, K),
+  // B (S, R, N), ranks (S, P), part bounds `offsets` (kernels/lora.cpp). Used by steps given lora_slots.
+  void set_lora(int64_t layer, int64_t proj, at::Tensor a, at::Tensor b, at::Tensor ranks, std::vector<int64_t> offsets) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && proj >= 0 && proj < 4, "no projection ", proj,
+                " in layer ", layer);
+    TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && ranks.is_contiguous(), "LoRA slots must be contiguous");
+    layers_[layer].lora[proj] = LoraSlots{a, b, ranks, std::move(offsets)};
+  }
+
   // Appends the last layer's next projection, in the order qkv, o, gate_up, down (or the experts').
   void add_projection(int64_t kind, at::Tensor q, c10::optional<at::Tensor> s, c10::optional<at::Tensor> m,
                       c10::optional<at::Tensor> bias, c10::optional<at::Tensor> perm, c10::optional<at::Tensor> fw,
@@ -226,16 +247,23 @@ class DecodeStack : public torch::CustomClassHolder {
   // the local layers' rotary, where it differs); slots (B,) where its K/V go; block_tables (B, W)
   // and context_lens (B,) as paged_decode_attention takes them.
   // Returns the hidden states after the last layer (before the final norm).
+  // lora_slots (B,) int64: each sequence's adapter slot (-1: the base), where some sequence runs under one.
   at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, at::Tensor slots, at::Tensor block_tables,
-                     at::Tensor context_lens, c10::optional<at::Tensor> cos_local, c10::optional<at::Tensor> sin_local) {
+                     at::Tensor context_lens, c10::optional<at::Tensor> cos_local, c10::optional<at::Tensor> sin_local,
+                     c10::optional<at::Tensor> lora_slots) {
     TORCH_CHECK(!layers_.empty() && layers_.back().complete(), "the stack is incomplete");
     TORCH_CHECK(h.dim() == 2 && h.scalar_type() == at::kFloat && h.is_contiguous(), "h must be float (B, hidden)");
     h = h.clone();  // the residual stream, updated in place
     const int64_t B = h.size(0), qkv_n = (hq_ + 2 * hkv_) * d_;
     TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == B,
                 "one int64 cache slot per sequence");
+    const at::Tensor ls = lora_slots ? *lora_slots : at::Tensor();
+    TORCH_CHECK(!ls.defined() || (ls.scalar_type() == at::kLong && ls.numel() == B && ls.is_contiguous()),
+                "one int64 adapter slot per sequence");
     for (const Layer& L : layers_) {
-      at::Tensor qkv = L.proj[0](rms_norm(h, L.in_norm, eps_), false, amx_rows_);                             // (B, (Hq+2Hkv) D)
+      const at::Tensor xn = rms_norm(h, L.in_norm, eps_);
+      at::Tensor qkv = L.proj[0](xn, false, amx_rows_);                                                     // (B, (Hq+2Hkv) D)
+      if (ls.defined()) L.lora[0].add(qkv, xn, ls);
       if (L.q_norm.defined()) {
         at::Tensor qh = qkv.narrow(1, 0, hq_ * d_).view({B, hq_, d_}), kh = qkv.narrow(1, hq_ * d_, hkv_ * d_).view({B, hkv_, d_});
         head_rms_norm_(qh, L.q_norm, eps_);
@@ -256,14 +284,19 @@ class DecodeStack : public torch::CustomClassHolder {
       if (L.q_smooth.defined()) qk.narrow(1, 0, hq_).mul_(L.q_smooth);  // as the Python layer's q * q_smooth
       const at::Tensor o = paged_decode_attention(qk.narrow(1, 0, hq_), L.k_cache, L.v_cache,
                                                   block_tables, context_lens, scale_, L.window);
-      const at::Tensor a = row_parallel(L.proj[1], o.view({B, hq_ * d_}));
+      at::Tensor a = row_parallel(L.proj[1], o.view({B, hq_ * d_}));
+      if (ls.defined()) L.lora[1].add(a, o.view({B, hq_ * d_}), ls);
       add_into(h, L.attn_out_norm.defined() ? rms_norm(a, L.attn_out_norm, eps_) : a);
       if (L.num_experts) {
         add_into(h, experts(L, rms_norm(h, L.post_norm, eps_)));
         continue;
       }
-      const at::Tensor gu = L.proj[2](rms_norm(h, L.post_norm, eps_), false, amx_rows_);                      // (B, 2 I)
-      const at::Tensor m = row_parallel(L.proj[3], activation(gu));
+      const at::Tensor xm = rms_norm(h, L.post_norm, eps_);
+      at::Tensor gu = L.proj[2](xm, false, amx_rows_);                                                      // (B, 2 I)
+      if (ls.defined()) L.lora[2].add(gu, xm, ls);
+      const at::Tensor act = activation(gu);
+      at::Tensor m = row_parallel(L.proj[3], act);
+      if (ls.defined()) L.lora[3].add(m, act, ls);
       add_into(h, L.mlp_out_norm.defined() ? rms_norm(m, L.mlp_out_norm, eps_) : m);
     }
     return h;
@@ -359,5 +392,6 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       .def("set_key_smoothing", &tokenmill::DecodeStack::set_key_smoothing)
       .def("set_tensor_parallel", &tokenmill::DecodeStack::set_tensor_parallel)
       .def("set_amx_rows", &tokenmill::DecodeStack::set_amx_rows)
+      .def("set_lora", &tokenmill::DecodeStack::set_lora)
       .def("forward", &tokenmill::DecodeStack::forward);
 }

@@ -53,6 +53,7 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # (B,) int64 tokens in each context
     all_decode: bool = False                         # every token is a decode, in batch order
     prefills: list[PrefillSegment] = field(default_factory=list)
+    lora: object | None = None  # layers.lora.LoRARows: each row's adapter slot, when some row runs under one
 
     def sequence_lengths(self, positions: torch.Tensor) -> torch.Tensor:
         """(T,) the sequence length in force for each token (layers/rotary.py): a decode row's own

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.lora import LoRABank, step_rows
 from tokenmill.quant import int4
 from tokenmill.quant.assembly import QuantArgs, ShardAssembly, as_float
 from tokenmill.quant.base import QuantWeight
@@ -68,6 +69,7 @@ class Linear(nn.Module):
         # outputs are summed by this group's all-reduce before the bias is added (once)
         self.tp_group = None
         self.stream: QuantArgs | None = None  # set: each shard is converted as it loads, packed when all are in
+        self.lora: LoRABank | None = None  # adapters' slots (runner/lora.py), applied to the rows that run under one
         self._loaded: set[str | None] = set()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: str | None = None,
@@ -132,11 +134,19 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group is None:
-            return self._matmul(x, self.bias)
-        # the rank's share unrounded (float64 from the int kernels): rounded once after the ranks'
-        # shares are added, exactly as the whole sum rounds in one process (`reduction_segment`)
-        y = self.tp_group.all_reduce(self._matmul(x, None, partial=True)).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+            y = self._matmul(x, self.bias)
+        else:
+            # the rank's share unrounded (float64 from the int kernels): rounded once after the ranks'
+            # shares are added, exactly as the whole sum rounds in one process (`reduction_segment`)
+            y = self.tp_group.all_reduce(self._matmul(x, None, partial=True)).to(x.dtype)
+            y = y if self.bias is None else y + self.bias
+        if self.lora is not None and (rows := step_rows()) is not None:
+            self.lora.add_(y, x, rows)
+        return y
+
+    def part_sizes(self) -> list[int]:
+        """Output sizes of the shards in order (one part for a plain projection)."""
+        return [n for _, n in self.shard_offsets.values()] or [self.out_features]
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, partial: bool = False) -> torch.Tensor:
         q = self.qweight

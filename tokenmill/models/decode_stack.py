@@ -43,7 +43,7 @@ def build(model: CausalLM) -> object | None:
         stack.set_tensor_parallel(model.tp_group.shm, model.tp_group.name)
     stack.set_amx_rows(kernels.AMX["min_rows"], kernels.AMX_SMALL[1], kernels.AMX_SMALL[0],  # as Linear
                        kernels.AMX["keep_8bit"])
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         sa = layer.self_attn
         qk = (sa.q_norm.factor(), sa.k_norm.factor()) if sa.qk_norm else (None, None)
         outs = (layer.post_attention_layernorm.factor(), layer.post_feedforward_layernorm.factor()) \
@@ -61,6 +61,10 @@ def build(model: CausalLM) -> object | None:
             stack.set_moe(moe.gate.weight.data, moe.top_k, moe.norm_topk, shared)
         for proj in projections[2:]:  # gate_up, down, or every expert's
             _add(stack, proj)
+        for j, proj in enumerate(projections[:2] if isinstance(layer.mlp, SparseMoE) else projections):
+            if proj.lora is not None:  # adapter slots (layers/lora.py): the stack reads the same tensors
+                bank = proj.lora
+                stack.set_lora(i, j, bank.a, bank.b, bank.ranks, bank.offsets)
     return stack
 
 

@@ -192,7 +192,8 @@ class CausalLM(nn.Module):
         if self.decode_stack is not None and meta is not None and meta.all_decode:
             flat = [t.view(t.shape[0], -1) for rope in ropes for t in rope]
             h = self.decode_stack.forward(h, flat[0], flat[1], meta.slot_mapping, meta.decode_block_tables,
-                                          meta.decode_context_lens, *(flat[2:] or (None, None)))
+                                          meta.decode_context_lens, *(flat[2:] or (None, None)),
+                                          None if meta.lora is None else meta.lora.slots)
         else:
             for layer in self.model.layers:
                 h = layer(ropes, h)

@@ -27,6 +27,13 @@ class UniprocExecutor:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(sched)
 
+    def add_lora(self, name: str, path: str) -> None:
+        """Reads the adapter into the runner's host memory (ValueError when it does not fit)."""
+        self.runner.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        self.runner.lora.remove(name)
+
     def check_health(self) -> None:
         """One process: healthy while it runs."""
 

@@ -19,6 +19,7 @@ from tokenmill.models import decode_stack, kv_smoothing
 from tokenmill.models.llama import CausalLM
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.runner import kv_cache, pooler
+from tokenmill.runner.lora import LoRAManager
 from tokenmill.runner.sampling import ReqState, StepSampler
 from tokenmill.utils import gather_in_huge_pages
 
@@ -28,7 +29,8 @@ log = logging.getLogger("tokenmill")
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0, grammars=None,
-                 normalize_embeddings: bool = True, classifier_tokens: tuple[int, int] | None = None) -> None:
+                 normalize_embeddings: bool = True, classifier_tokens: tuple[int, int] | None = None,
+                 lora_slots: tuple[int, int] | None = None) -> None:
         """`normalize_embeddings`: whether a pooling request's embedding (its last token's final
         hidden state) is L2-normalized unless it says otherwise (the model's pooling config).
         `classifier_tokens`: (no, yes) token ids of a decoder reranker (Qwen3-Reranker): a classify
@@ -36,7 +38,8 @@ class ModelRunner:
         `short_chunk_rows`: chunks of up to this many tokens after a cached context also run as
         decode rows (through the native decode stack, not the layer-by-layer prefill path). Only
         for a model whose numbers need not equal its chunked prefill's: a draft model, whose
-        catch-up on the tokens the target accepted is a short chunk every step."""
+        catch-up on the tokens the target accepted is a short chunk every step.
+        `lora_slots`: (max_loras, max_lora_rank) to serve LoRA adapters (runner/lora.py), or None."""
         self.model = model
         self.short_chunk_rows = short_chunk_rows
         self.device = device
@@ -49,6 +52,9 @@ class ModelRunner:
         if device.type == "cpu":  # before the decode stack takes the panels
             gather_in_huge_pages([(qw.panels, f) for qw in model.quantized_weights() if qw.panels is not None
                                   for f, t in vars(qw.panels).items() if isinstance(t, torch.Tensor)])
+        # adapter slots beside the projections, before the decode stack takes them
+        self.lora = None if lora_slots is None else LoRAManager(model, *lora_slots, device)
+        self.lora_of: dict[str, str] = {}  # request -> the adapter it runs under (absent: the base)
         model.decode_stack = decode_stack.build(model)
         self.proposer = proposer  # tokenmill.spec: fills drafts for the next step, or None
         self.grammars = grammars  # tokenmill.structured GrammarCompiler, or None: constraints not enforced
@@ -66,6 +72,7 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.states.pop(req_id, None)
             self.pooling.pop(req_id, None)
+            self.lora_of.pop(req_id, None)
             if self.proposer is not None:
                 self.proposer.drop(req_id)
         for new in sched.new_requests:
@@ -73,6 +80,11 @@ class ModelRunner:
                                                      new.eos_token_ids)
             if new.pooling is not None:
                 self.pooling[new.req_id] = new.pooling
+            if new.lora_name is not None:
+                if self.lora is None:
+                    raise RuntimeError(f"request {new.req_id} names LoRA adapter {new.lora_name!r} but the runner "
+                                       "serves none")
+                self.lora_of[new.req_id] = new.lora_name
             if new.params.structured_outputs is not None and self.grammars is not None:
                 # compiled (and cached) when the request was added; a recomputed request replays its output
                 st.matcher = self.grammars.matcher(new.params.structured_outputs)
@@ -206,6 +218,8 @@ class ModelRunner:
             meta.decode_context_lens = lens
             meta.decode_mask = (torch.arange(width * bs, device=dev)[None, :] < lens[:, None])[:, None, None, :]
             meta.all_decode = not prefills
+        if self.lora is not None:
+            meta.lora = self.lora.rows([(self.lora_of.get(s.req_id), len(s.token_ids)) for s in sched.scheduled], dev)
         for q_start, n, start, table in prefills:
             seg = PrefillSegment(q_start, q_start + n, start=start)
             seg.block_table = torch.tensor(table, dtype=torch.long, device=dev)

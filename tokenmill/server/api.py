@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tokenmill.server import anthropic as A
-from tokenmill.server import chat, pooling_api
+from tokenmill.server import chat, lora_api, pooling_api
 from tokenmill.server import protocol as P
 from tokenmill.server import responses_api as RA
 from tokenmill.server.config import ServerConfig
@@ -34,9 +34,11 @@ from tokenmill.server.responses_events import response_events
 from tokenmill.server.streaming import chat_stream, collect_all, completion_stream, sse, start_all, until_disconnected
 
 
-def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
+def build_app(client, config: ServerConfig, metrics: Metrics, adapters: list | None = None) -> FastAPI:
+    """`adapters`: the LoRARequests the engine was started with (--lora-modules)."""
     app = FastAPI(title="tokenmill", docs_url=None, redoc_url=None)
     model_name = config.served_model_names[0]
+    served = lora_api.Served(config.served_model_names, adapters or [])
 
     # ------------------------------------------------------------ cross-cutting
     open_paths = {"/health"} | ({"/metrics"} if config.metrics_public else set())
@@ -50,10 +52,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
                                           "anthropic-beta"])
     install_handlers(app)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in config.served_model_names:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves "
-                                f"{config.served_model_names}", "not_found_error", "model")
+    check_model = served.resolve  # None: the base model; a LoRA adapter's name; 404 for anything else
 
     def tokenizer():
         if client.tokenizer is None:
@@ -70,9 +69,9 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        now = int(time.time())
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": now, "owned_by": "tokenmill",
-                                            "max_model_len": client.max_model_len} for n in config.served_model_names]}
+        return {"object": "list", "data": served.model_cards(client.max_model_len)}
+
+    lora_api.add_routes(app, client, served, config.enable_lora_runtime_updates)
 
     @app.get("/metrics")
     async def prometheus():
@@ -116,7 +115,8 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     # ------------------------------------------------------------ completions
     @app.post("/v1/completions")
     async def completions(req: P.CompletionRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
+        name = req.model if lora else model_name
         prompts = completion_prompts(req.prompt)
         params = sampling_params(req, req.max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -125,10 +125,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
             ids = [await off_loop(prompt_ids, client.tokenizer, p, True, req.split_special_tokens,
                                   client.max_model_len) if isinstance(p, str) else p for p in prompts]
         salt = cache_salt(raw, req.cache_salt)
-        streams = [client.generate(f"{rid}-{i}", p, params, req.priority, salt) for i, p in enumerate(ids)]
+        streams = [client.generate(f"{rid}-{i}", p, params, req.priority, salt, lora) for i, p in enumerate(ids)]
         firsts = await until_disconnected(raw, start_all(streams), streams)  # gone while queued: never prefilled
         if req.stream:
-            return sse(completion_stream(rid, req, prompts, streams, firsts, params, model_name, client))
+            return sse(completion_stream(rid, req, prompts, streams, firsts, params, name, client))
         finals = await until_disconnected(raw, collect_all(streams, firsts), streams)
         choices, usage, timing = [], Usage(), None
         for pi, (prompt, out) in enumerate(zip(prompts, finals)):
@@ -139,16 +139,17 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
                 choices.append(P.CompletionChoice(index=pi * params.n + o.index, text=text,
                                                   logprobs=completion_logprobs(o, client, req.logprobs) if req.logprobs is not None else None,
                                                   finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-        return P.CompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(), timings=timing)
+        return P.CompletionResponse(id=rid, model=name, choices=choices, usage=usage.model(), timings=timing)
 
     # ------------------------------------------------------------ chat
     async def turn_of(req: P.ChatCompletionRequest) -> chat.Turn:
         return await chat.prepare(req, tokenizer(), client.max_model_len, config.tool_call_parser,
                                   config.reasoning_parser, off_loop)
 
-    async def started(rid: str, turn: chat.Turn, raw: Request, priority: int = 0, salt: str | None = None):
+    async def started(rid: str, turn: chat.Turn, raw: Request, priority: int = 0, salt: str | None = None,
+                      lora: str | None = None):
         """A turn's engine stream and its first output (bad input fails here, before any byte)."""
-        stream = client.generate(rid, turn.ids, turn.params, priority, cache_salt(raw, salt))
+        stream = client.generate(rid, turn.ids, turn.params, priority, cache_salt(raw, salt), lora)
         return stream, (await until_disconnected(raw, start_all([stream]), [stream]))[0]
 
     async def finished(raw: Request, stream, first):
@@ -156,12 +157,13 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: P.ChatCompletionRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
+        name = req.model if lora else model_name
         turn = await turn_of(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream, first = await started(rid, turn, raw, req.priority, req.cache_salt)
+        stream, first = await started(rid, turn, raw, req.priority, req.cache_salt, lora)
         if req.stream:
-            return sse(chat_stream(rid, req, stream, first, model_name, client, turn))
+            return sse(chat_stream(rid, req, stream, first, name, client, turn))
         out = await finished(raw, stream, first)
         usage = Usage()
         usage.add(out)
@@ -173,7 +175,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
             choices.append(P.ChatChoice(index=o.index, message=message,
                                         logprobs=chat_logprobs(o, client, turn.top_logprobs) if req.logprobs else None,
                                         finish_reason=a.finish_reason, stop_reason=a.stop_reason))
-        return P.ChatCompletionResponse(id=rid, model=model_name, choices=choices, usage=usage.model(),
+        return P.ChatCompletionResponse(id=rid, model=name, choices=choices, usage=usage.model(),
                                         timings=timings(out))
 
     # ------------------------------------------------------------ OpenAI's Responses API
@@ -184,7 +186,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
 
     @app.post("/v1/responses")
     async def create_response(req: RA.ResponsesRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
         history: list[dict] = []
         if req.previous_response_id is not None:
             found = store.get(req.previous_response_id)
@@ -201,7 +203,7 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
             if req.store:
                 store.put(rid, body, turns + RA.assistant_turn(items))
 
-        stream, first = await started(rid, turn, raw)
+        stream, first = await started(rid, turn, raw, lora=lora)
         if req.stream:
             return sse(response_events(rid, req, model, created, turn, stream, first, reasoning_tokens, keep))
         out = await finished(raw, stream, first)
@@ -228,10 +230,10 @@ def build_app(client, config: ServerConfig, metrics: Metrics) -> FastAPI:
     # ------------------------------------------------------------ Anthropic's Messages API
     @app.post("/v1/messages")
     async def messages(req: A.MessagesRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
         turn = await turn_of(A.to_chat(req))
         rid = f"msg_{uuid.uuid4().hex}"
-        stream, first = await started(rid, turn, raw)
+        stream, first = await started(rid, turn, raw, lora=lora)
         if req.stream:
             return sse(A.message_events(rid, req.model, turn, stream, first))
         return A.message(rid, req.model, turn, await finished(raw, stream, first))

@@ -43,6 +43,10 @@ def check_args(args: argparse.Namespace) -> tuple[dict, list[str]]:
         raise ValueError("--cache-salt-from-api-key needs API keys (--api-key or TOKENMILL_API_KEY).")
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}.")
+    from tokenmill.server.lora_api import parse_modules
+    parse_modules(args.lora_modules or [])
+    if args.lora_modules or args.enable_lora_runtime_updates:
+        args.enable_lora = True  # adapters named at start or to come at run time: the engine needs its slots
     return door, keys
 
 
@@ -63,16 +67,25 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
         except OSError as e:
             raise ValueError(f"--cpu-cores {args.cpu_cores}: {e.strerror} (cores this process may use: "
                              f"{sorted(os.sched_getaffinity(0))})") from None
+    from tokenmill.server.lora_api import parse_modules
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    adapters = parse_modules(args.lora_modules or [])
+
+    def build() -> LLMEngine:
+        engine = LLMEngine(config)
+        for lora in adapters:  # read and checked before the server opens: a bad adapter stops the start
+            engine.add_lora(lora)
+        return engine
+
     # built on its own thread, the one that steps it (AsyncEngine says why)
-    client = AsyncEngine(lambda: LLMEngine(config), max_queue_len=args.max_queue_len,
+    client = AsyncEngine(build, max_queue_len=args.max_queue_len,
                          request_timeout=args.request_timeout, max_queue_time=args.max_queue_time)
     engine = client.engine
     names = args.served_model_names or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
     metrics.set_cache_config(engine.kv_capacity_tokens, engine.block_size, engine.kv_num_blocks, engine.kv_cache_dtype)
     client.stat_logger = metrics.record
-    app = build_app(client, ServerConfig.from_args(args, served_model_names=names, api_keys=keys), metrics)
+    app = build_app(client, ServerConfig.from_args(args, served_model_names=names, api_keys=keys), metrics, adapters)
     from tokenmill import kernels
 
     cpu = ""
@@ -82,6 +95,7 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
             if kernels.isa() and engine.activation_bits else ", CPU kernels PyTorch"
     print(f"tokenmill serving {names[0]} ({engine.model_path}) at http://{args.host}:{args.port}/v1 — "
           f"KV cache {engine.kv_capacity_tokens} tokens ({engine.kv_cache_dtype}), max_model_len {engine.max_model_len}{cpu}"
+          f"{f', LoRA adapters {[a.lora_name for a in adapters]}' if adapters else ''}"
           f"{', API key required' if keys else ''}", file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, **door,
                                            timeout_keep_alive=args.timeout_keep_alive))

@@ -45,12 +45,19 @@ class ServerConfig:
         "seconds a request may wait before it is first scheduled; past it 503. Default: no limit", type=seconds))
     timeout_keep_alive: float = field(default=5.0, metadata=_opt(
         "seconds an idle keep-alive connection stays open", type=seconds))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=_opt(
+        "LoRA adapters served beside the model, as name=path (a PEFT directory or a llama.cpp LoRA GGUF file) or "
+        'JSON {"name": ..., "path": ..., "base_model_name": ...}; requests select one by its name in their model '
+        "field. Turns on --enable-lora", action="extend"))
+    enable_lora_runtime_updates: bool = field(default=False, metadata=_opt(
+        "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's routes; behind the API key when "
+        "one is set)"))
     max_request_bytes: int = field(default=8 << 20, metadata=_opt("largest request body", flag=None))
     client_timeout: float = field(default=30.0, metadata=_opt(
         "seconds a client has to send a request's body (its head: transport.py)", flag=None))
 
     def __post_init__(self) -> None:  # lists from the command line kept as tuples: the config cannot change
-        for name in ("served_model_names", "api_keys", "allowed_origins"):
+        for name in ("served_model_names", "api_keys", "allowed_origins", "lora_modules"):
             object.__setattr__(self, name, tuple(getattr(self, name) or ()))
 
     @classmethod

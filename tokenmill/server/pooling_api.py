@@ -62,6 +62,8 @@ class ScoreRequest(BaseModel):
 
 
 def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> None:
+    """`check_model(name)`: None for the base model, the adapter's name for a LoRA adapter (the
+    requests run under it), 404 for anything else."""
     def truncation(value: int | None) -> int | None:
         if value == 0:
             raise APIError(400, "truncate_prompt_tokens must be -1 (the context length) or positive",
@@ -92,19 +94,19 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
         return await off_loop(lambda: [one(i) for i in range(len(texts))])
 
     async def run(raw: Request, prefix: str, inputs, params: list[PoolingParams], priority: int = 0,
-                  salt: str | None = None):
-        streams = [client.generate(f"{prefix}-{i}", ids, p, priority, salt)
+                  salt: str | None = None, lora: str | None = None):
+        streams = [client.generate(f"{prefix}-{i}", ids, p, priority, salt, lora)
                    for i, ((ids, _), p) in enumerate(zip(inputs, params))]
         firsts = await until_disconnected(raw, start_all(streams), streams)
         return await until_disconnected(raw, collect_all(streams, firsts), streams)
 
     async def relevance(raw: Request, rid: str, queries: list[str], docs: list[str], truncate: int | None,
-                        priority: int) -> tuple[list[float], int]:
+                        priority: int, lora: str | None) -> tuple[list[float], int]:
         """Each (query, document) pair's score and the prompt tokens read."""
         if "classify" in client.tasks:
             inputs = await encode(queries, truncate, docs)
             outs = await run(raw, rid, inputs, [PoolingParams(task="classify", pair_start=s) for _, s in inputs],
-                             priority)
+                             priority, lora=lora)
             if len(outs[0].outputs.data) != 1:
                 raise APIError(400, f"this classifier has {len(outs[0].outputs.data)} labels; a relevance score "
                                     "needs a cross-encoder with one", param="model")
@@ -112,14 +114,14 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
         need("embed", "scoring")
         unique = list(dict.fromkeys(queries + docs))
         inputs = await encode(unique, truncate)
-        outs = await run(raw, rid, inputs, [PoolingParams(normalize=True)] * len(unique), priority)
+        outs = await run(raw, rid, inputs, [PoolingParams(normalize=True)] * len(unique), priority, lora=lora)
         vec = {t: o.outputs.data for t, o in zip(unique, outs)}
         return ([sum(x * y for x, y in zip(vec[q], vec[d])) for q, d in zip(queries, docs)],
                 sum(len(o.prompt_token_ids) for o in outs))
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
         need("embed", "/v1/embeddings")
         texts = _inputs(req.input)
         try:
@@ -128,7 +130,7 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
             raise APIError(400, str(e), param="dimensions" if "dimensions" in str(e) else "normalize") from None
         rid = f"embd-{uuid.uuid4().hex}"
         inputs = await encode(texts, truncation(req.truncate_prompt_tokens))
-        outs = await run(raw, rid, inputs, [params] * len(inputs), req.priority, cache_salt(raw, req.cache_salt))
+        outs = await run(raw, rid, inputs, [params] * len(inputs), req.priority, cache_salt(raw, req.cache_salt), lora)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(o.outputs.data) if req.encoding_format == "base64" else o.outputs.data}
                 for i, o in enumerate(outs)]
@@ -141,13 +143,13 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
         return Response(json.dumps(body), media_type="application/json")
 
     async def rerank(req: RerankRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
         docs = [_document_text(d, i) for i, d in enumerate(req.documents)]
         if not docs:
             raise APIError(400, "documents must not be empty", param="documents")
         rid = f"rerank-{uuid.uuid4().hex}"
         scores, tokens = await relevance(raw, rid, [req.query] * len(docs), docs,
-                                         truncation(req.truncate_prompt_tokens), req.priority)
+                                         truncation(req.truncate_prompt_tokens), req.priority, lora)
         order = sorted(range(len(docs)), key=lambda i: -scores[i])[:req.top_n or len(docs)]
         results = [{"index": i, "relevance_score": scores[i],
                     **({"document": {"text": docs[i]}} if req.return_documents else {})} for i in order]
@@ -157,7 +159,7 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
     app.post("/v1/rerank")(rerank)
 
     async def score(req: ScoreRequest, raw: Request):
-        check_model(req.model)
+        lora = check_model(req.model)
         one = [req.text_1] if isinstance(req.text_1, str) else req.text_1
         two = [req.text_2] if isinstance(req.text_2, str) else req.text_2
         if not one or not two:
@@ -168,7 +170,7 @@ def add_routes(app: FastAPI, client, check_model, off_loop, model_name: str) -> 
             raise APIError(400, f"text_1 has {len(one)} texts and text_2 {len(two)}: give one text_1, or lists of "
                                 "one length", param="text_2")
         rid = f"score-{uuid.uuid4().hex}"
-        scores, tokens = await relevance(raw, rid, one, two, truncation(req.truncate_prompt_tokens), req.priority)
+        scores, tokens = await relevance(raw, rid, one, two, truncation(req.truncate_prompt_tokens), req.priority, lora)
         return {"id": rid, "object": "list", "created": int(time.time()), "model": req.model or model_name,
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

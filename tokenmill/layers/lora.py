@@ -1,0 +1,84 @@
+"""LoRA adapters beside a projection's base weight: slots of low-rank pairs, applied per row.
+
+A projection that adapters target gets a `LoRABank`: `num_slots` slots, each able to hold one
+adapter's (A, B) for every output part of the projection (q, k, v of a fused QKV; gate, up; or the
+one part). A step's rows each run under one slot or none (`LoRARows`, in the ForwardContext), so
+requests for different adapters and the base share one forward pass; the base weight — quantized
+or float — is never merged with an adapter or copied per adapter, and its kernels run as without
+LoRA. The delta `x A^T B * scale` is added per run of rows of one slot: the CPU kernel
+(kernels/lora.cpp) shrinks and expands all short runs in two parallel passes; elsewhere each run
+is two matrix products here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.layers.attention import get_forward_context
+
+
+@dataclass
+class LoRARows:
+    """The step's adapter slot of every row of the flat batch (-1: the base alone), and the same as
+    runs (start, end, slot) of consecutive rows, for the path without the CPU kernel."""
+    slots: torch.Tensor
+    runs: list[tuple[int, int, int]]
+
+
+def step_rows() -> LoRARows | None:
+    meta = get_forward_context()
+    return None if meta is None else meta.lora
+
+
+class LoRABank:
+    """Slots of adapter weights for one projection of `in_features` inputs whose outputs are the
+    parts `part_sizes` in order. A (S, P, R, K) and B (S, R, N) with the scale folded into B, zero
+    where a slot's adapter is shorter than R or leaves a part alone; `ranks` (S, P) the rows used."""
+
+    def __init__(self, part_sizes: list[int], in_features: int, num_slots: int, max_rank: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.offsets = [0]
+        for n in part_sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        p, n = len(part_sizes), self.offsets[-1]
+        self.a = torch.zeros(num_slots, p, max_rank, in_features, device=device, dtype=dtype)
+        self.b = torch.zeros(num_slots, max_rank, n, device=device, dtype=dtype)
+        self.ranks = torch.zeros(num_slots, p, dtype=torch.long)
+        self.rank_list = [[0] * p for _ in range(num_slots)]
+
+    def nbytes(self) -> int:
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+    def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
+        """Slot `slot` holds one adapter: per part index its A (r, K), B (n_p, r) and scale."""
+        self.clear(slot)
+        for p, (a, b, scale) in parts.items():
+            r, lo, hi = a.shape[0], self.offsets[p], self.offsets[p + 1]
+            self.a[slot, p, :r].copy_(a)
+            self.b[slot, :r, lo:hi].copy_((b.to(torch.float32) * scale).t())
+            self.ranks[slot, p] = r
+            self.rank_list[slot][p] = r
+
+    def clear(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.ranks[slot].zero_()
+        self.rank_list[slot] = [0] * len(self.rank_list[slot])
+
+    def add_(self, y: torch.Tensor, x: torch.Tensor, rows: LoRARows) -> torch.Tensor:
+        """y (T, N) += each row's delta; x (T, K) the projection's input."""
+        if kernels.usable_for(x) and self.a.dtype == torch.float32 and y.dtype == torch.float32:
+            kernels.lora_add_(y, x, self.a, self.b, self.ranks, rows.slots, self.offsets)
+            return y
+        p_count, r_max = self.a.shape[1], self.a.shape[2]
+        for start, end, s in rows.runs:
+            if s < 0:
+                continue
+            t = x[start:end].to(self.a.dtype) @ self.a[s].view(p_count * r_max, -1).t()
+            for p, r in enumerate(self.rank_list[s]):
+                if r:
+                    lo, hi = self.offsets[p], self.offsets[p + 1]
+                    y[start:end, lo:hi] += (t[:, p * r_max:p * r_max + r] @ self.b[s, :r, lo:hi]).to(y.dtype)
+        return y
