@@ -73,7 +73,7 @@ def test_stack_checks_what_it_is_given():
         stack.forward(torch.zeros(1, 64), torch.zeros(1, 8), torch.zeros(1, 8), torch.zeros(1, dtype=torch.long),
                       torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), None, None, None)
     with pytest.raises(RuntimeError, match="no projection 4"):
-        stack.set_lora(0, 4, torch.zeros(1, 1, 16, 64), torch.zeros(1, 16, 64), torch.zeros(1, 1, dtype=torch.long), [0, 64])
+        stack.set_lora(0, 4, torch.zeros(1, 64, 16), torch.zeros(1, 16, 64), torch.zeros(1, 1, dtype=torch.long), [0, 64])
     assert decode_stack.enabled()
 
 

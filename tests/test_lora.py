@@ -224,23 +224,25 @@ def test_bad_adapters_are_refused_with_the_reason(setup, llm, tmp_path):
     assert "wrong" not in llm.engine.runner.lora.host
 
 
-def test_segmented_kernel_equals_per_row_products():
-    """Runs of one slot long (BLAS) and short (the two passes), parts with and without an adapter,
-    ranks under the slots' width, rows of the base in between."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_segmented_kernel_equals_per_row_products(dtype):
+    """Runs of one slot longer and shorter than a block and a register tile, parts with and without
+    an adapter, parts whose widths are not whole vectors, ranks under the slots' width, rows of the
+    base in between; slots in float32 and float16."""
     from tokenmill import kernels
     from tokenmill.layers.lora import LoRABank, LoRARows
 
     if not kernels.available():
         pytest.skip("CPU kernels not built")
     torch.manual_seed(0)
-    bank = LoRABank([40, 24, 24], 72, 3, 16)
+    bank = LoRABank([40, 24, 24], 72, 3, 16, dtype=dtype)
     adapters = []
     for slot, (ranks, scale) in enumerate([((16, 8, 0), 0.5), ((4, 0, 4), 2.0), ((1, 16, 16), 1.0)]):
-        parts = {p: (torch.randn(r, 72), torch.randn(n, r), scale) for p, (r, n) in enumerate(zip(ranks, (40, 24, 24)))
-                 if r}
+        parts = {p: (torch.randn(r, 72).to(dtype).float(), (torch.randn(n, r) * scale).to(dtype).float(), 1.0)
+                 for p, (r, n) in enumerate(zip(ranks, (40, 24, 24))) if r}
         bank.put(slot, parts)
         adapters.append(parts)
-    slots = [0] * 9 + [-1, 1, 2, 2, -1, 0, 1] + [2] * 12 + [1]
+    slots = [0] * 37 + [-1, 1, 2, 2, -1, 0, 1] + [2] * 12 + [1]
     x = torch.randn(len(slots), 72)
     want = torch.randn(len(slots), 88)
     got = want.clone()

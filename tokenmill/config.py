@@ -235,6 +235,10 @@ class LoRAConfig:
         "others wait in host memory and are swapped in, least recently used out"))
     max_lora_rank: int = field(default=16, metadata=_help(
         f"highest adapter rank accepted; the slots are this wide ({', '.join(map(str, MAX_LORA_RANKS))})"))
+    lora_dtype: str = field(default="auto", metadata=_help(
+        "auto | float32 | float16: what the slots hold adapters in. A step reads every adapter it runs, so "
+        "float16 halves what many adapters cost. auto: float16 beside quantized weights (rounded far coarser "
+        "already), float32 beside float ones"))
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank"):
@@ -243,6 +247,8 @@ class LoRAConfig:
                 object.__setattr__(self, name, v := int(v))
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r:.40}.")
+        if self.lora_dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"lora_dtype must be auto, float32 or float16, got {self.lora_dtype!r}.")
         if self.max_lora_rank not in MAX_LORA_RANKS:
             raise ValueError(f"max_lora_rank must be one of {list(MAX_LORA_RANKS)}, got {self.max_lora_rank}.")
 

@@ -70,8 +70,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -
 
 
 def _body(item: Item, model: str, endpoint: str, eos_mode: str) -> dict:
-    body = {"model": model, "max_tokens": item.max_tokens, "stream": True, "temperature": 0,
-            "stream_options": {"include_usage": True}}
+    body = {"model": item.model or model, "max_tokens": item.max_tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}, **(item.extra or {})}
     if endpoint == "chat":
         body["messages"] = [{"role": "user", "content": item.prompt}]
     else:

@@ -1,5 +1,7 @@
 """Benchmark workloads: a JSONL file of {"prompt" | "prompt_token_ids", "max_tokens"} rows (the
-format of ../shared/bench/workload_*.jsonl), MT-Bench questions, or seeded random token prompts."""
+format of ../shared/bench/workload_*.jsonl), MT-Bench questions, or seeded random token prompts.
+A row may also name its `model` (a LoRA adapter, say) and `extra` fields merged into the request
+body as sent (a server's own way of selecting adapters, llama-server's "lora" list)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 class Item:
     prompt: str | list[int]
     max_tokens: int
+    model: str | None = None  # overrides the run's model name
+    extra: dict | None = None
 
 
 def load(path: str | None, n: int, seed: int, input_len: int, output_len: int, vocab_size: int,
@@ -21,7 +25,7 @@ def load(path: str | None, n: int, seed: int, input_len: int, output_len: int, v
             for line in f:
                 row = json.loads(line)
                 prompt = row.get("prompt_token_ids") or row["prompt"]
-                items.append(Item(prompt, int(row.get("max_tokens") or output_len)))
+                items.append(Item(prompt, int(row.get("max_tokens") or output_len), row.get("model"), row.get("extra")))
         if not items:
             raise ValueError(f"workload {path} is empty.")
         return [items[i % len(items)] for i in range(n)]

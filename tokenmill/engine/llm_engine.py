@@ -172,7 +172,8 @@ class LLMEngine:
                                          proposer, grammars=self.grammars,
                                          normalize_embeddings=pooled is not None and pooled.normalize,
                                          classifier_tokens=self.serves.classifier_tokens,
-                                         lora_slots=(lc.max_loras, lc.max_lora_rank) if lc.enable_lora else None))
+                                         lora_slots=(lc.max_loras, lc.max_lora_rank, lc.lora_dtype)
+                                         if lc.enable_lora else None))
         self.block_manager = BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
         draft_cost = 0.0 if draft is None else draft.model.decode_weight_bytes() / loaded.model.decode_weight_bytes()
         policy = None if spec is None else DraftPolicy(spec.num_speculative_tokens, spec.disable_by_batch_size,

@@ -231,7 +231,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def lora_add_(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks: torch.Tensor,
               slots: torch.Tensor, offsets: list[int]) -> None:
-    """y (T, N) += each row's LoRA delta: row t under adapter slot slots[t] (-1: none), A (S, P, R, K),
+    """y (T, N) += each row's LoRA delta: row t under adapter slot slots[t] (-1: none), A (S, K, P R),
     B (S, R, N) with the scale folded in, ranks (S, P), part p's columns [offsets[p], offsets[p+1])
     (lora.cpp)."""
     torch.ops.tokenmill.lora_add_(y, x, a, b, ranks, slots, offsets)

@@ -194,7 +194,7 @@ class DecodeStack : public torch::CustomClassHolder {
     tp_group_ = std::move(group);
   }
 
-  // LoRA slots of layer `layer`'s projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down): A (S, P, R, K),
+  // LoRA slots of layer `layer`'s projection `proj` (0 qkv, 1 o, 2 gate_up, 3 down): A (S, K, P R),
   // B (S, R, N), ranks (S, P), part bounds `offsets` (kernels/lora.cpp). Used by steps given lora_slots.
   void set_lora(int64_t layer, int64_t proj, at::Tensor a, at::Tensor b, at::Tensor ranks, std::vector<int64_t> offsets) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && proj >= 0 && proj < 4, "no projection ", proj,

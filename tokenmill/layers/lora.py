@@ -34,8 +34,9 @@ def step_rows() -> LoRARows | None:
 
 class LoRABank:
     """Slots of adapter weights for one projection of `in_features` inputs whose outputs are the
-    parts `part_sizes` in order. A (S, P, R, K) and B (S, R, N) with the scale folded into B, zero
-    where a slot's adapter is shorter than R or leaves a part alone; `ranks` (S, P) the rows used."""
+    parts `part_sizes` in order. A (S, K, P R): per slot each part's R down-projection rows,
+    transposed (the kernel's lanes run over them); B (S, R, N) with the scale folded in; zero where
+    a slot's adapter is shorter than R or leaves a part alone; `ranks` (S, P) the rows used."""
 
     def __init__(self, part_sizes: list[int], in_features: int, num_slots: int, max_rank: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
@@ -43,7 +44,7 @@ class LoRABank:
         for n in part_sizes:
             self.offsets.append(self.offsets[-1] + n)
         p, n = len(part_sizes), self.offsets[-1]
-        self.a = torch.zeros(num_slots, p, max_rank, in_features, device=device, dtype=dtype)
+        self.a = torch.zeros(num_slots, in_features, p * max_rank, device=device, dtype=dtype)
         self.b = torch.zeros(num_slots, max_rank, n, device=device, dtype=dtype)
         self.ranks = torch.zeros(num_slots, p, dtype=torch.long)
         self.rank_list = [[0] * p for _ in range(num_slots)]
@@ -54,10 +55,11 @@ class LoRABank:
     def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
         """Slot `slot` holds one adapter: per part index its A (r, K), B (n_p, r) and scale."""
         self.clear(slot)
+        r_max = self.b.shape[1]
         for p, (a, b, scale) in parts.items():
             r, lo, hi = a.shape[0], self.offsets[p], self.offsets[p + 1]
-            self.a[slot, p, :r].copy_(a)
-            self.b[slot, :r, lo:hi].copy_((b.to(torch.float32) * scale).t())
+            self.a[slot, :, p * r_max:p * r_max + r].copy_(a.t())
+            self.b[slot, :r, lo:hi].copy_((b.to(torch.float32) * scale).t())  # rounded to the slots' dtype once
             self.ranks[slot, p] = r
             self.rank_list[slot][p] = r
 
@@ -69,16 +71,17 @@ class LoRABank:
 
     def add_(self, y: torch.Tensor, x: torch.Tensor, rows: LoRARows) -> torch.Tensor:
         """y (T, N) += each row's delta; x (T, K) the projection's input."""
-        if kernels.usable_for(x) and self.a.dtype == torch.float32 and y.dtype == torch.float32:
+        if kernels.usable_for(x) and self.a.dtype in (torch.float32, torch.float16) and y.dtype == torch.float32:
             kernels.lora_add_(y, x, self.a, self.b, self.ranks, rows.slots, self.offsets)
             return y
-        p_count, r_max = self.a.shape[1], self.a.shape[2]
+        r_max = self.b.shape[1]
         for start, end, s in rows.runs:
             if s < 0:
                 continue
-            t = x[start:end].to(self.a.dtype) @ self.a[s].view(p_count * r_max, -1).t()
+            work = torch.float32 if self.a.dtype == torch.float16 and x.device.type == "cpu" else self.a.dtype
+            t = x[start:end].to(work) @ self.a[s].to(work)
             for p, r in enumerate(self.rank_list[s]):
                 if r:
                     lo, hi = self.offsets[p], self.offsets[p + 1]
-                    y[start:end, lo:hi] += (t[:, p * r_max:p * r_max + r] @ self.b[s, :r, lo:hi]).to(y.dtype)
+                    y[start:end, lo:hi] += (t[:, p * r_max:p * r_max + r] @ self.b[s, :r, lo:hi].to(work)).to(y.dtype)
         return y

@@ -31,6 +31,9 @@ async def fetch(session: aiohttp.ClientSession, url: str, headers: dict | None =
         return None
 
 
+MODELS_REFRESH_S = 5.0  # how often a healthy replica's model list (its LoRA adapters) is read again
+
+
 @dataclass
 class Replica:
     index: int
@@ -40,6 +43,7 @@ class Replica:
     failures: int = 0              # consecutive failed probes
     successes: int = 0             # consecutive good probes while ejected
     models: set[str] = field(default_factory=set)   # from /v1/models; empty: unknown, takes any model
+    models_at: float = 0.0         # when `models` was read
     ejected_at: float | None = None
 
 
@@ -75,6 +79,8 @@ class Pool:
         answer = await fetch(self.session, r.url + "/health", timeout=max(1.0, self.health_interval))
         if answer is not None and answer[0] == 200:
             r.failures = 0
+            if r.healthy and time.monotonic() - r.models_at > MODELS_REFRESH_S:
+                await self._refresh_models(r)  # LoRA adapters come and go at run time
             if not r.healthy:
                 r.successes += 1
                 if r.successes >= self.readmit_after or r.ejected_at is None:  # first admission: at once
@@ -87,6 +93,7 @@ class Pool:
                 self._set(r, False, f"{r.failures} failed health checks")
 
     async def _refresh_models(self, r: Replica) -> None:
+        r.models_at = time.monotonic()
         answer = await fetch(self.session, r.url + "/v1/models", self.replica_headers)
         try:
             r.models = {m["id"] for m in json.loads(answer[1])["data"]} if answer and answer[0] == 200 else set()

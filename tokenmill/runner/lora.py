@@ -35,23 +35,28 @@ def targets(model: CausalLM) -> dict[str, Linear]:
     return out
 
 
-def bank_bytes(model: CausalLM, max_loras: int, max_rank: int) -> int:
-    """Bytes the slots take (float32 A and B of every target projection)."""
-    return 4 * max_loras * max_rank * sum(len(p.part_sizes()) * p.in_features + p.out_features
-                                          for p in targets(model).values())
+def slot_dtype(model: CausalLM, lora_dtype: str, device: torch.device) -> torch.dtype:
+    """auto: float16 beside quantized weights (on the CPU kernels, which read it), else the model's dtype."""
+    if lora_dtype != "auto":
+        return {"float32": torch.float32, "float16": torch.float16}[lora_dtype]
+    if device.type == "cpu" and model.quantized_weights():
+        return torch.float16
+    return model.model.embed_tokens.dtype if device.type != "cpu" else torch.float32
 
 
 class LoRAManager:
-    def __init__(self, model: CausalLM, max_loras: int, max_rank: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, max_loras: int, max_rank: int, lora_dtype: str, device: torch.device) -> None:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.banks: dict[str, LoRABank] = {}
+        dtype = slot_dtype(model, lora_dtype, device)
         for path, proj in targets(model).items():
-            proj.lora = self.banks[path] = LoRABank(proj.part_sizes(), proj.in_features, max_loras, max_rank, device)
+            proj.lora = self.banks[path] = LoRABank(proj.part_sizes(), proj.in_features, max_loras, max_rank, device,
+                                                    dtype)
         self.host: dict[str, lora_adapter.AdapterWeights] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self.free = list(range(max_loras - 1, -1, -1))
-        log.info("LoRA: %d adapter slot(s) of rank up to %d beside %d projections (%.1f MiB)", max_loras, max_rank,
-                 len(self.banks), sum(b.nbytes() for b in self.banks.values()) / 2**20)
+        log.info("LoRA: %d adapter slot(s) of rank up to %d beside %d projections (%s, %.1f MiB)", max_loras, max_rank,
+                 len(self.banks), str(dtype)[6:], sum(b.nbytes() for b in self.banks.values()) / 2**20)
 
     def add(self, name: str, path: str) -> None:
         """Reads and checks the adapter into host memory (ValueError if it does not fit the model);

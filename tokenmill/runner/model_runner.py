@@ -30,7 +30,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, proposer=None, short_chunk_rows: int = 0, grammars=None,
                  normalize_embeddings: bool = True, classifier_tokens: tuple[int, int] | None = None,
-                 lora_slots: tuple[int, int] | None = None) -> None:
+                 lora_slots: tuple[int, int, str] | None = None) -> None:
         """`normalize_embeddings`: whether a pooling request's embedding (its last token's final
         hidden state) is L2-normalized unless it says otherwise (the model's pooling config).
         `classifier_tokens`: (no, yes) token ids of a decoder reranker (Qwen3-Reranker): a classify
@@ -39,7 +39,7 @@ class ModelRunner:
         decode rows (through the native decode stack, not the layer-by-layer prefill path). Only
         for a model whose numbers need not equal its chunked prefill's: a draft model, whose
         catch-up on the tokens the target accepted is a short chunk every step.
-        `lora_slots`: (max_loras, max_lora_rank) to serve LoRA adapters (runner/lora.py), or None."""
+        `lora_slots`: (max_loras, max_lora_rank, lora_dtype) to serve LoRA adapters (runner/lora.py), or None."""
         self.model = model
         self.short_chunk_rows = short_chunk_rows
         self.device = device
