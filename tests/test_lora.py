@@ -256,7 +256,10 @@ def test_segmented_kernel_equals_per_row_products(dtype):
             runs.append((start, t, slots[start]))
             start = t
     rows = LoRARows(torch.tensor(slots), runs)
-    with torch.no_grad():  # the kernel
+    with torch.no_grad():  # the kernel: blocks for every thread (one pass each), then one block (two passes)
         torch.testing.assert_close(bank.add_(got.clone(), x, rows), want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(bank.add_(got[:9].clone(), x[:9], LoRARows(torch.zeros(9, dtype=torch.long),
+                                                                                [(0, 9, 0)])), want[:9], rtol=1e-4,
+                                   atol=1e-4)
     with torch.enable_grad():  # the path without it (what other devices take)
         torch.testing.assert_close(bank.add_(got.clone(), x, rows), want, rtol=1e-4, atol=1e-4)

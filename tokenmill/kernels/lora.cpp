@@ -9,9 +9,11 @@
 // (-1: the base alone) and gets  y[t, part p] += sum_j (x[t] . A[s, :, p R + j]) B[s, j, part p].
 //
 // Rows are grouped by slot, whatever the mix, into blocks of up to kLoraBlock rows, and the delta
-// takes two parallel passes, each a small register-tiled product (kRowTile rows by one or two
-// 16-lane vectors of columns): shrink, per (block, columns of A), tmp = x A; expand, per (block,
-// columns of one part), y += tmp B. Two parallel regions per projection and step, however many
+// takes two passes, each a small register-tiled product (kRowTile rows by one or two 16-lane vectors
+// of columns): shrink, per (block, columns of A), tmp = x A; expand, per (block, columns of one part),
+// y += tmp B. With blocks enough for every thread (a decode step mixing adapters) each block runs
+// both passes in one parallel region; otherwise (one adapter, or a prompt chunk) each pass is a
+// parallel region over its work items. One or two regions per projection and step, however many
 // adapters the step mixes. A row's arithmetic never depends on the other rows (no BLAS, whose
 // kernels vary with shapes and alignment): a request's outputs are the same alone or in any batch.
 #include "attention.h"  // load_kv: 16 float32 or float16 values as floats
@@ -62,7 +64,9 @@ inline void lora_rows(const float* const* in, float* const* out, int64_t rows, c
                       int64_t depth, int64_t n, bool accumulate) {
   int64_t i = 0;
   for (; i + kRowTile <= rows; i += kRowTile) lora_tile<kRowTile, W>(in + i, out + i, w, ldw, depth, n, accumulate);
-  for (; i < rows; ++i) lora_tile<1, W>(in + i, out + i, w, ldw, depth, n, accumulate);
+  if (kRowTile > 4 && i + 4 <= rows) lora_tile<4, W>(in + i, out + i, w, ldw, depth, n, accumulate), i += 4;
+  if (i + 2 <= rows) lora_tile<2, W>(in + i, out + i, w, ldw, depth, n, accumulate), i += 2;
+  if (i < rows) lora_tile<1, W>(in + i, out + i, w, ldw, depth, n, accumulate);
 }
 
 }  // namespace
@@ -114,39 +118,51 @@ void lora_add_impl(at::Tensor& y, const at::Tensor& x, const at::Tensor& A, cons
   if (blocks.empty()) return;
   // shrink: per (block, kLoraCols columns of A that some part of its slot uses)
   struct Item { int64_t block, p, col, n; };
-  std::vector<Item> shrinks;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b)
+  std::vector<Item> shrinks, expands;
+  std::vector<int64_t> shrink_end, expand_end;  // per block: where its items end
+  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b) {
     for (int64_t c = 0; c < U; c += kLoraCols) {
       bool used = false;
       for (int64_t p = c / R; p <= std::min(P - 1, (c + kLoraCols - 1) / R); ++p) used |= rp[blocks[b].s * P + p] > 0;
       if (used) shrinks.push_back({b, 0, c, std::min(kLoraCols, U - c)});
     }
-  if (shrinks.empty()) return;
-  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
-      const Item& it = shrinks[w];
-      const Block& bl = blocks[it.block];
-      std::vector<float*> out(bl.n);
-      for (int64_t i = 0; i < bl.n; ++i) out[i] = tw[bl.first + i] + it.col;
-      lora_rows(xr.data() + bl.first, out.data(), bl.n, ap + bl.s * K * U + it.col, U, K, it.n, false);
-    }
-  });
-  // expand: per (block, kLoraCols columns of one part its slot's adapter changes)
-  std::vector<Item> expands;
-  for (int64_t b = 0; b < static_cast<int64_t>(blocks.size()); ++b)
+    // expand: per (block, kLoraCols columns of one part its slot's adapter changes)
     for (int64_t p = 0; p < P; ++p)
       if (rp[blocks[b].s * P + p])
         for (int64_t c = offsets[p]; c < offsets[p + 1]; c += kLoraCols)
           expands.push_back({b, p, c, std::min(kLoraCols, offsets[p + 1] - c)});
+    shrink_end.push_back(static_cast<int64_t>(shrinks.size()));
+    expand_end.push_back(static_cast<int64_t>(expands.size()));
+  }
+  if (shrinks.empty()) return;
+  const auto shrink = [&](const Item& it) {
+    const Block& bl = blocks[it.block];
+    float* out[kLoraBlock];
+    for (int64_t i = 0; i < bl.n; ++i) out[i] = tw[bl.first + i] + it.col;
+    lora_rows(xr.data() + bl.first, out, bl.n, ap + bl.s * K * U + it.col, U, K, it.n, false);
+  };
+  const auto expand = [&](const Item& it) {
+    const Block& bl = blocks[it.block];
+    const float* in[kLoraBlock];
+    float* out[kLoraBlock];
+    for (int64_t i = 0; i < bl.n; ++i) in[i] = tr[bl.first + i] + it.p * R, out[i] = yr[bl.first + i] + it.col;
+    lora_rows(in, out, bl.n, bp + bl.s * R * N + it.col, N, rp[bl.s * P + it.p], it.n, true);
+  };
+  const int64_t nb = static_cast<int64_t>(blocks.size());
+  if (nb >= 2 * at::get_num_threads()) {  // blocks enough to share out: each whole, one parallel region
+    at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        for (int64_t w = b ? shrink_end[b - 1] : 0; w < shrink_end[b]; ++w) shrink(shrinks[w]);
+        for (int64_t w = b ? expand_end[b - 1] : 0; w < expand_end[b]; ++w) expand(expands[w]);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, static_cast<int64_t>(shrinks.size()), 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) shrink(shrinks[w]);
+  });
   at::parallel_for(0, static_cast<int64_t>(expands.size()), 1, [&](int64_t w0, int64_t w1) {
-    for (int64_t w = w0; w < w1; ++w) {
-      const Item& it = expands[w];
-      const Block& bl = blocks[it.block];
-      std::vector<const float*> in(bl.n);
-      std::vector<float*> out(bl.n);
-      for (int64_t i = 0; i < bl.n; ++i) in[i] = tr[bl.first + i] + it.p * R, out[i] = yr[bl.first + i] + it.col;
-      lora_rows(in.data(), out.data(), bl.n, bp + bl.s * R * N + it.col, N, rp[bl.s * P + it.p], it.n, true);
-    }
+    for (int64_t w = w0; w < w1; ++w) expand(expands[w]);
   });
 }
 
