@@ -263,3 +263,23 @@ def test_segmented_kernel_equals_per_row_products(dtype):
                                    atol=1e-4)
     with torch.enable_grad():  # the path without it (what other devices take)
         torch.testing.assert_close(bank.add_(got.clone(), x, rows), want, rtol=1e-4, atol=1e-4)
+
+
+def test_slots_that_do_not_fit_are_refused_with_the_numbers(setup):
+    with pytest.raises(ValueError, match=r"LoRA slots do not fit in memory: 1000000 adapters of rank up to 512 need "
+                                         r"[0-9.]+ GiB.*Lower --max-loras"):
+        LLM(setup[0], dtype="float32", quantization="none", kv_cache_memory="64MiB", enable_lora=True,
+            max_loras=1_000_000, max_lora_rank=512, skip_tokenizer_init=True)
+
+
+def test_lora_modules_flag_forms():
+    from tokenmill.server.lora_api import parse_modules
+
+    mods = parse_modules(["sql=/a/sql", '{"name": "chat", "path": "/a/chat.gguf", "base_model_name": "llama"}'])
+    assert [(m.lora_name, m.lora_path, m.base_model_name) for m in mods] == [("sql", "/a/sql", None),
+                                                                             ("chat", "/a/chat.gguf", "llama")]
+    assert len({m.lora_int_id for m in mods}) == 2
+    for bad, msg in ((["sql"], "name=path"), (["a=/x", "a=/y"], "twice"), (['{"name": "a"}'], "name"),
+                     (["{nope"], "not valid JSON"), (["a b=/x"], "letters, digits")):
+        with pytest.raises(ValueError, match=msg):
+            parse_modules(bad)

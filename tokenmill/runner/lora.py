@@ -18,6 +18,7 @@ from tokenmill.layers.lora import LoRABank, LoRARows
 from tokenmill.models import lora_adapter
 from tokenmill.models.llama import CausalLM
 from tokenmill.models.moe import SparseMoE
+from tokenmill.resources import memory_available
 
 log = logging.getLogger("tokenmill")
 
@@ -49,7 +50,16 @@ class LoRAManager:
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.banks: dict[str, LoRABank] = {}
         dtype = slot_dtype(model, lora_dtype, device)
-        for path, proj in targets(model).items():
+        projections = targets(model)
+        if device.type == "cpu":
+            need = max_loras * max_rank * dtype.itemsize * sum(len(p.part_sizes()) * p.in_features + p.out_features
+                                                              for p in projections.values())
+            avail, why = memory_available()
+            if need + (256 << 20) > avail:
+                raise ValueError(f"the LoRA slots do not fit in memory: {max_loras} adapters of rank up to {max_rank} "
+                                 f"need {need / 2**30:.2f} GiB beside the model, but this process may use "
+                                 f"{avail / 2**30:.2f} GiB more ({why}). Lower --max-loras or --max-lora-rank.")
+        for path, proj in projections.items():
             proj.lora = self.banks[path] = LoRABank(proj.part_sizes(), proj.in_features, max_loras, max_rank, device,
                                                     dtype)
         self.host: dict[str, lora_adapter.AdapterWeights] = {}
