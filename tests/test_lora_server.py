@@ -99,21 +99,42 @@ def test_adapters_load_and_unload_at_run_time_without_failing_a_running_stream(s
     assert "a3" in {m.id for m in c.models.list().data}
     want = offline("a3", 160)
 
-    async def unload_mid_stream():
+    async def unload_under_load():
+        """Streams under three adapters (two slots: one waits) and the base; a3 unloaded and a4 loaded
+        while they run."""
         ac = openai.AsyncOpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        stream = await ac.completions.create(model="a3", prompt=PROMPT, max_tokens=160, temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
-        text, unloaded = [], None
-        async for ch in stream:
-            text.append(ch.choices[0].text if ch.choices else "")
-            if unloaded is None and len(text) == 3:
-                async with httpx.AsyncClient(timeout=60) as h:
-                    unloaded = await h.post(server + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=H)
-        return "".join(text), unloaded
+        started = asyncio.Event()
 
-    text, unloaded = asyncio.run(unload_mid_stream())
-    assert unloaded.status_code == 200 and "removed" in unloaded.text
-    assert text == want  # the running request finished under its adapter
+        async def stream(model: str, n: int) -> tuple[str, str]:
+            s = await ac.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0, stream=True,
+                                            extra_body={"ignore_eos": True})
+            text, finish = [], None
+            async for ch in s:
+                text.append(ch.choices[0].text if ch.choices else "")
+                finish = (ch.choices[0].finish_reason if ch.choices else None) or finish
+                if model == "a3" and len(text) == 3:
+                    started.set()
+            return "".join(text), finish
+
+        async def change():
+            await started.wait()
+            async with httpx.AsyncClient(timeout=60) as h:
+                gone = await h.post(server + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=H)
+                new = await h.post(server + "/v1/load_lora_adapter", json={"lora_name": "a4", "lora_path": paths["a1"]},
+                                   headers=H)
+            return gone, new
+
+        runs = [stream(m, 160 if m == "a3" else 40) for m in ("a3", "a1", "a2", MODEL, "a3", "a1")]
+        *outs, (gone, new) = await asyncio.gather(*runs, change())
+        return outs, gone, new
+
+    outs, unloaded, loaded = asyncio.run(unload_under_load())
+    assert unloaded.status_code == 200 and "removed" in unloaded.text and loaded.status_code == 200
+    assert all(finish == "length" for _, finish in outs)
+    assert outs[0][0] == outs[4][0] == want  # the running requests finished under their adapter
+    assert outs[1][0] == outs[5][0] == offline("a1", 40)
+    assert c.completions.create(model="a4", prompt=PROMPT, max_tokens=40, temperature=0,
+                                extra_body={"ignore_eos": True}).choices[0].text == offline("a1", 40)
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="a3", prompt=PROMPT, max_tokens=2)
     gone = httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=H)
