@@ -283,3 +283,15 @@ def test_lora_modules_flag_forms():
                      (["{nope"], "not valid JSON"), (["a b=/x"], "letters, digits")):
         with pytest.raises(ValueError, match=msg):
             parse_modules(bad)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_other_families_match_peft(family, tmp_path):
+    """Qwen2 (q/k/v biases under the adapter's delta) and Gemma (GeLU, norm offset, embedding scale)."""
+    base = make_tiny_hf(family, str(tmp_path / family))
+    ref = make_adapter(base, str(tmp_path / "ad"), 7, ALL, r=8, alpha=32)
+    llm = LLM(base, dtype="float32", quantization="none", kv_cache_memory="64MiB", kv_cache_dtype="float32",
+              enable_lora=True, skip_tokenizer_init=True)
+    want, want_lp = greedy(ref, PROMPTS[1])
+    (got, got_lp), = run(llm, [PROMPTS[1]], LoRARequest("ad", 1, str(tmp_path / "ad")))
+    assert got == want and max(abs(a - b) for a, b in zip(want_lp, got_lp)) < 1e-4
