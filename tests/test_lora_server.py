@@ -135,6 +135,9 @@ def test_adapters_load_and_unload_at_run_time_without_failing_a_running_stream(s
     assert outs[1][0] == outs[5][0] == offline("a1", 40)
     assert c.completions.create(model="a4", prompt=PROMPT, max_tokens=40, temperature=0,
                                 extra_body={"ignore_eos": True}).choices[0].text == offline("a1", 40)
+    info = [line for line in httpx.get(server + "/metrics", headers=H).text.splitlines()
+            if line.startswith("tokenmill:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0]
     with pytest.raises(openai.NotFoundError):
         c.completions.create(model="a3", prompt=PROMPT, max_tokens=2)
     gone = httpx.post(server + "/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=H)

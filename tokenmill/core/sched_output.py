@@ -63,6 +63,8 @@ class StepStats:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     finished: list = field(default_factory=list)  # Requests that finished this step
+    running_loras: list[str] = field(default_factory=list)  # LoRA adapters of the running requests (gauge)
+    waiting_loras: list[str] = field(default_factory=list)  # ... and of the waiting ones
 
 
 @dataclass

@@ -84,6 +84,8 @@ def serve(args: argparse.Namespace, door: dict, keys: list[str]) -> int:
     names = args.served_model_names or [os.path.basename(engine.model_path)]
     metrics = Metrics(names[0])
     metrics.set_cache_config(engine.kv_capacity_tokens, engine.block_size, engine.kv_num_blocks, engine.kv_cache_dtype)
+    if config.lora.enable_lora:
+        metrics.set_max_loras(config.lora.max_loras)
     client.stat_logger = metrics.record
     app = build_app(client, ServerConfig.from_args(args, served_model_names=names, api_keys=keys), metrics, adapters)
     from tokenmill import kernels

@@ -53,6 +53,11 @@ class Metrics:
         # vLLM's cache_config_info: the cache's settings as labels, value 1
         self.cache_info = Gauge(p + "cache_config_info", "KV cache configuration", labels + ["block_size", "num_gpu_blocks",
                                                                                         "cache_dtype"], registry=r)
+        # vLLM's lora_requests_info: the adapters of the running and waiting requests as labels (names
+        # comma-separated), the slots as max_lora; value: when it was set. One series, the current one.
+        self.lora_info = Gauge(p + "lora_requests_info", "Running and waiting LoRA adapters",
+                               ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
+        self.max_lora: int | None = None
         self.labels = {"model_name": model_name}
         for reason in ("stop", "length", "abort"):
             self.success.labels(**self.labels, finished_reason=reason)
@@ -63,9 +68,18 @@ class Metrics:
         self.cache_info.labels(**self.labels, block_size=str(block_size), num_gpu_blocks=str(num_blocks),
                                cache_dtype=cache_dtype).set(1)
 
+    def set_max_loras(self, max_loras: int) -> None:
+        """Once at start-up when the engine serves LoRA adapters."""
+        self.max_lora = max_loras
+        self.lora_info.labels(max_lora=str(max_loras), waiting_lora_adapters="", running_lora_adapters="").set_to_current_time()
+
     def record(self, st) -> None:
         """Called from the engine thread after each step with its StepStats."""
         lb = self.labels
+        if self.max_lora is not None:
+            self.lora_info.clear()
+            self.lora_info.labels(max_lora=str(self.max_lora), waiting_lora_adapters=",".join(st.waiting_loras),
+                                  running_lora_adapters=",".join(st.running_loras)).set_to_current_time()
         self.running.labels(**lb).set(st.num_running)
         self.waiting.labels(**lb).set(st.num_waiting)
         self.kv_usage.labels(**lb).set(st.kv_cache_usage)
