@@ -11,8 +11,9 @@
 #          the shapes of the default model, Qwen2.5-0.5B, Llama-3.2-1B and -3B, 16 x 2000 and 1 x 16000
 #   decode whole decode steps: 16 streams at 2,000 tokens of context (default model, Qwen) and one at
 #          16,000 (Qwen), tokenmill (profile_decode.py) against llama-batched-bench / llama-bench, one
-#          process at a time, float16 then the 8-bit caches
-# Writes results/kv_cache-PART[-ISA].jsonl.
+#          process at a time, float16 then the 8-bit caches. DECODE_LOADS ("model batch context", `;`
+#          between loads) replaces the three, e.g. a real-size file: "/path/llama-1b-q4_k_m.gguf 16 2000"
+# Writes results/kv_cache-PART[_TAG][-ISA].jsonl.
 source "$(dirname "$0")/common.sh"
 PARTS=${PART:-"ppl agree attn decode"}
 TOKENS=${TOKENS:-8192}
@@ -22,7 +23,7 @@ DTYPES=${DTYPES:-"float16 int8 fp8_e5m2"}
 jq_py() { "$PY" -c "$1" "${@:2}"; }
 
 for part in $PARTS; do
-  out=$RESULTS/kv_cache-$part$SUFFIX.jsonl; : > "$out"
+  out=$RESULTS/kv_cache-$part${TAG:+_$TAG}$SUFFIX.jsonl; : > "$out"
   case $part in
   ppl)
     build_llamacpp
@@ -66,7 +67,8 @@ for part in $PARTS; do
     done ;;
   decode)
     build_llamacpp
-    for load in "$MODEL 16 2000" "$QWEN 16 2000" "$QWEN 1 16000"; do
+    IFS=';' read -ra loads <<< "${DECODE_LOADS:-$MODEL 16 2000;$QWEN 16 2000;$QWEN 1 16000}"
+    for load in "${loads[@]}"; do
       read -r model batch ctx <<< "$load"
       name=$(basename "$model")
       for kv in $DTYPES; do
