@@ -57,6 +57,11 @@ class Adapters:
         self.add(lora)
         return lora.lora_name
 
+    @staticmethod
+    def of(requests: Iterable[Request]) -> list[str]:
+        """The adapters `requests` run under, sorted (for the metrics)."""
+        return sorted({r.lora_name for r in requests if r.lora_name is not None})
+
     def reap(self, requests: Iterable[Request]) -> None:
         """Drops the adapters being unloaded that none of `requests` (the unfinished ones) uses."""
         if not self.unloading:

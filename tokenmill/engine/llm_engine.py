@@ -331,8 +331,7 @@ class LLMEngine:
         st.num_running, st.num_waiting = len(self.scheduler.running), len(self.scheduler.waiting)
         st.kv_cache_usage = self.block_manager.usage
         if self.adapters.enabled:
-            st.running_loras = sorted({r.lora_name for r in self.scheduler.running if r.lora_name is not None})
-            st.waiting_loras = sorted({r.lora_name for r in self.scheduler.waiting if r.lora_name is not None})
+            st.running_loras, st.waiting_loras = Adapters.of(self.scheduler.running), Adapters.of(self.scheduler.waiting)
         return st
 
     # ------------------------------------------------------------------ one step
