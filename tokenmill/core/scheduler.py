@@ -187,7 +187,7 @@ class Scheduler:
             sorted(self.waiting, key=lambda r: (r.priority, r.arrival_seq))
         in_flight = {(r.lora_name, r.cache_salt, tuple(r.token_ids[:bm.block_size])) for r in self.running
                      if r.num_computed_tokens < r.prompt_len} if bm.enable_prefix_caching else set()
-        adapters = {r.lora_name for r in self.running if r.lora_name is not None}
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None} if self.config.max_loras else set()
         for req in order:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break

@@ -46,8 +46,7 @@ class LoRABank:
         p, n = len(part_sizes), self.offsets[-1]
         self.a = torch.zeros(num_slots, in_features, p * max_rank, device=device, dtype=dtype)
         self.b = torch.zeros(num_slots, max_rank, n, device=device, dtype=dtype)
-        self.ranks = torch.zeros(num_slots, p, dtype=torch.long)
-        self.rank_list = [[0] * p for _ in range(num_slots)]
+        self.ranks = torch.zeros(num_slots, p, dtype=torch.long)  # on the host: the kernel and the loop below read it
 
     def nbytes(self) -> int:
         return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
@@ -61,13 +60,11 @@ class LoRABank:
             self.a[slot, :, p * r_max:p * r_max + r].copy_(a.t())
             self.b[slot, :r, lo:hi].copy_((b.to(torch.float32) * scale).t())  # rounded to the slots' dtype once
             self.ranks[slot, p] = r
-            self.rank_list[slot][p] = r
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
         self.ranks[slot].zero_()
-        self.rank_list[slot] = [0] * len(self.rank_list[slot])
 
     def add_(self, y: torch.Tensor, x: torch.Tensor, rows: LoRARows) -> torch.Tensor:
         """y (T, N) += each row's delta; x (T, K) the projection's input."""
@@ -80,7 +77,7 @@ class LoRABank:
                 continue
             work = torch.float32 if self.a.dtype == torch.float16 and x.device.type == "cpu" else self.a.dtype
             t = x[start:end].to(work) @ self.a[s].to(work)
-            for p, r in enumerate(self.rank_list[s]):
+            for p, r in enumerate(self.ranks[s].tolist()):
                 if r:
                     lo, hi = self.offsets[p], self.offsets[p + 1]
                     y[start:end, lo:hi] += (t[:, p * r_max:p * r_max + r] @ self.b[s, :r, lo:hi].to(work)).to(y.dtype)

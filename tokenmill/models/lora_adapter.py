@@ -102,8 +102,8 @@ def _place(name: str, pairs: dict, scales: dict, model: CausalLM) -> dict:
         if part is not None:
             slot[part] = (a.contiguous(), b.contiguous(), scale)
         else:
-            for p, lo in enumerate(_starts(sizes)):
-                slot[p] = (a.contiguous(), b[lo:lo + sizes[p]].contiguous(), scale)
+            for p, (lo, n) in enumerate(target.shard_offsets.values()):
+                slot[p] = (a.contiguous(), b[lo:lo + n].contiguous(), scale)
     if not placed:
         raise ValueError(f"LoRA adapter {name!r} holds no LoRA weights.")
     return placed
@@ -200,14 +200,6 @@ def _read_gguf(path: str, model: CausalLM) -> tuple[dict, dict, int]:
         rank = max(rank, r)
         scales[key] = alpha / r if alpha else 1.0  # llama.cpp: no alpha means scale 1
     return pairs, scales, rank
-
-
-def _starts(sizes: list[int]) -> list[int]:
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return out
 
 
 def _next_rank(rank: int) -> int:
