@@ -125,7 +125,7 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
           return blk;
         };
         auto chunk_at = [&](const T* cache, int64_t pos) { return cache + L.at(block_of(pos), pos % bs, 0); };
-        // int8: head h's scale of the chunk's token t at [h * 4 + t * L.step]
+        // int8: head h's scale of the chunk's token t at [h * L.hstep + t * L.step]
         auto scales_at = [&](const T* cache, int64_t pos) { return cache + L.scale_at(block_of(pos), pos % bs, 0); };
         auto chunk_len = [&](int64_t pos) { return std::min({bs - pos % bs, kDecodeChunk, p1 - pos}); };
         auto for_chunks = [&](const T* cache, auto&& body) {
@@ -137,9 +137,12 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
               const char* a = reinterpret_cast<const char*>(after);
               const int64_t bytes = chunk_len(next) * row * static_cast<int64_t>(sizeof(T));
               for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(a + c, _MM_HINT_T1);
-              if constexpr (kv_scaled<T>) {  // and their scales (int8), after the block's values
-                const char* sc = reinterpret_cast<const char*>(scales_at(cache, next));
-                for (int64_t c = 0; c < chunk_len(next) * L.step; c += 64) _mm_prefetch(sc + c, _MM_HINT_T1);
+              if constexpr (kv_scaled<T>) {  // and their scales (int8), after the block's values: a run per head
+                const T* sc = scales_at(cache, next);
+                const int64_t last = (chunk_len(next) - 1) * L.step;
+                for (int64_t h = 0; h < Hkv; ++h)
+                  _mm_prefetch(reinterpret_cast<const char*>(sc + h * L.hstep), _MM_HINT_T1),
+                      _mm_prefetch(reinterpret_cast<const char*>(sc + h * L.hstep + last), _MM_HINT_T1);
               }
             }
             body(src, pos - p0, pos, m);
@@ -147,12 +150,12 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
           }
         };
         for_chunks(kp, [&](const T* kc, int64_t at, int64_t pos, int64_t m) {
-          const T* ks = kv_scaled<T> ? scales_at(kp, pos) : kc;  // int8: head h's scales from ks + 4 h
+          const T* ks = kv_scaled<T> ? scales_at(kp, pos) : kc;  // int8: head h's scales from ks + L.hstep h
           for (int64_t h = 0; h < Hkv; ++h)
             for (int64_t g = 0; g < G;) {
               const float* qg = qb + (h * G + g) * D;
               float* sg = s.data() + (h * G + g) * lds + at;
-              const T *kr = kc + h * D, *kh = ks + h * kv_pad<T>;
+              const T *kr = kc + h * D, *kh = ks + h * L.hstep;
               if (G - g >= 3) score_heads<3>(qg, D, kr, row, m, scale, kh, L.step, sg, lds), g += 3;
               else if (G - g == 2) score_heads<2>(qg, D, kr, row, m, scale, kh, L.step, sg, lds), g += 2;
               else score_heads<1>(qg, D, kr, row, m, scale, kh, L.step, sg, lds), g += 1;
@@ -182,7 +185,7 @@ void decode_attention_split(const at::Tensor& q, const at::Tensor& k_cache, cons
             const T* vs = scales_at(vp, pos);
             for (int64_t h = 0; h < Hkv; ++h) {
               alignas(32) float sv[kDecodeChunk];
-              for (int64_t t = 0; t < m; ++t) sv[t] = kv_scale(vs + h * kv_pad<T> + t * L.step);
+              for (int64_t t = 0; t < m; ++t) sv[t] = kv_scale(vs + h * L.hstep + t * L.step);
               for (int64_t hq = h * G; hq < (h + 1) * G; ++hq) {
                 float* ph = s.data() + hq * lds + at;  // past m: the next chunk's
                 int64_t t = 0;

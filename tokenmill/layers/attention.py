@@ -213,12 +213,14 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 def int8_blocks(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An int8 cache (num_blocks, bs, H, D + 4) as what its blocks hold: (num_blocks, bs, H, D) values,
-    then (num_blocks, bs, H) float32 scales, each block's values before its scales (kernels/attention.h:
-    rows on the cache-line boundaries a float16 cache's have)."""
+    then the float32 scales head by head, returned as a (num_blocks, bs, H) view; each block's values
+    before its scales (kernels/attention.h: rows on the cache-line boundaries a float16 cache's have,
+    a KV head's scales on one line)."""
     nb, bs, h, w = cache.shape
     d = w - INT8_SCALE_BYTES
     flat = cache.view(nb, bs * h * w)
-    return flat[:, :bs * h * d].view(nb, bs, h, d), flat[:, bs * h * d:].view(torch.float32).view(nb, bs, h)
+    scales = flat[:, bs * h * d:].view(torch.float32).view(nb, h, bs).transpose(1, 2)
+    return flat[:, :bs * h * d].view(nb, bs, h, d), scales
 
 
 def dequantize_blocks(blocks: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
