@@ -9,13 +9,13 @@
 // (-1: the base alone) and gets  y[t, part p] += sum_j (x[t] . A[s, :, p R + j]) B[s, j, part p].
 //
 // Rows are grouped by slot, whatever the mix, into blocks of up to kLoraBlock rows, and the delta
-// takes two passes, each a small register-tiled product (kRowTile rows by one or two 16-lane vectors
-// of columns): shrink, per (block, columns of A), tmp = x A; expand, per (block, columns of one part),
-// y += tmp B. With blocks enough for every thread (a decode step mixing adapters) each block runs
-// both passes in one parallel region; otherwise (one adapter, or a prompt chunk) each pass is a
-// parallel region over its work items. One or two regions per projection and step, however many
-// adapters the step mixes. A row's arithmetic never depends on the other rows (no BLAS, whose
-// kernels vary with shapes and alignment): a request's outputs are the same alone or in any batch.
+// takes two passes, each a small register-tiled product (up to 12 rows by two vectors of columns):
+// shrink, per (block, columns of A), tmp = x A; expand, per (block, columns of one part), y += tmp B.
+// With blocks enough for every thread (a decode step mixing adapters) each block runs both passes
+// in one parallel region; otherwise (one adapter, or a prompt chunk) each pass is a parallel region
+// over its work items. One or two regions per projection and step, however many adapters the step
+// mixes. A row's arithmetic never depends on the other rows (no BLAS, whose kernels vary with
+// shapes and alignment): a request's outputs are the same alone or in any batch.
 #include "attention.h"  // load_kv: 16 float32 or float16 values as floats
 
 #include <vector>
@@ -24,10 +24,77 @@ namespace tokenmill {
 namespace {
 
 constexpr int64_t kLoraBlock = 32;  // rows per work item: a prompt chunk's rows share each adapter read
-constexpr int64_t kLoraVecs = kRowTile == 8 ? 2 : 1;  // column vectors per tile (AVX2: 16 ymm registers)
-constexpr int64_t kLoraCols = kLoraVecs * kLanes;
 
-// up to 16 values (float32, or float16 adapter weights) as floats, zeros past n
+#if defined(__AVX2__)
+// The register tile in the ISA's own vectors (zmm, or ymm on AVX2): written as arrays of v16f, GCC
+// keeps AVX2's halves on the stack and rebuilds vectors lane by lane (the kernel ran 10x slower).
+#if defined(__AVX512F__)
+using VecW = __m512;
+constexpr int64_t kW = 16, kLoraRows = 12;  // 12 rows x 2 vectors of accumulators: 24 of 32 zmm
+inline VecW load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline VecW load_w(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VecW zero_w() { return _mm512_setzero_ps(); }
+inline VecW splat_w(const float* p) { return _mm512_set1_ps(*p); }
+inline VecW fma_w(VecW a, VecW b, VecW c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store_w(float* p, VecW v) { _mm512_storeu_ps(p, v); }
+#else
+using VecW = __m256;
+constexpr int64_t kW = 8, kLoraRows = 6;  // 6 rows x 2 vectors, two weight vectors, a broadcast: 15 of 16 ymm
+inline VecW load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline VecW load_w(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecW zero_w() { return _mm256_setzero_ps(); }
+inline VecW splat_w(const float* p) { return _mm256_broadcast_ss(p); }
+inline VecW fma_w(VecW a, VecW b, VecW c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store_w(float* p, VecW v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int64_t kLoraCols = 2 * kW;  // columns per work item: two vectors
+
+template <typename W>
+inline VecW load_w_n(const W* p, int64_t n) {  // zeros past n (none at all for n <= 0)
+  if (n >= kW) return load_w(p);
+  W buf[kW] = {};
+  if (n > 0) std::memcpy(buf, p, sizeof(W) * n);
+  return load_w(buf);
+}
+inline void store_w_n(float* p, VecW v, int64_t n) {
+  if (n >= kW) return store_w(p, v);
+  if (n > 0) std::memcpy(p, &v, sizeof(float) * n);
+}
+
+// out[i][0:n] (+)= sum_k in[i][k] w[k][0:n] for kt rows (row i at in[i], out[i]); w row stride ldw;
+// n <= nv vectors, all of them when full; accumulate: out starts from its values (else from zero).
+// Each output is the same chain of FMAs over k whatever the tile: a row's result never depends on
+// the other rows.
+template <int64_t kt, int nv, bool full, typename W>
+inline void lora_tile(const float* const* in, float* const* out, const W* w, int64_t ldw, int64_t depth, int64_t n,
+                      bool accumulate) {
+  VecW acc[kt][nv];
+  for (int64_t i = 0; i < kt; ++i)
+    for (int v = 0; v < nv; ++v) acc[i][v] = accumulate ? load_w_n(out[i] + kW * v, n - kW * v) : zero_w();
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * ldw;
+    VecW wv[nv];
+    for (int v = 0; v < nv; ++v) wv[v] = full ? load_w(wk + kW * v) : load_w_n(wk + kW * v, n - kW * v);
+    for (int64_t i = 0; i < kt; ++i) {
+      const VecW xi = splat_w(in[i] + k);
+      for (int v = 0; v < nv; ++v) acc[i][v] = fma_w(xi, wv[v], acc[i][v]);
+    }
+  }
+  for (int64_t i = 0; i < kt; ++i)
+    for (int v = 0; v < nv; ++v) store_w_n(out[i] + kW * v, acc[i][v], n - kW * v);
+}
+
+template <int64_t kt, typename W>
+inline void lora_tile_any(const float* const* in, float* const* out, const W* w, int64_t ldw, int64_t depth, int64_t n,
+                          bool accumulate) {
+  if (n == 2 * kW) lora_tile<kt, 2, true, W>(in, out, w, ldw, depth, n, accumulate);
+  else if (n == kW) lora_tile<kt, 1, true, W>(in, out, w, ldw, depth, n, accumulate);
+  else if (n > kW) lora_tile<kt, 2, false, W>(in, out, w, ldw, depth, n, accumulate);
+  else lora_tile<kt, 1, false, W>(in, out, w, ldw, depth, n, accumulate);
+}
+#else
+// Without AVX2: the same tile on 16-lane vector values, one vector of columns.
+constexpr int64_t kLoraCols = kLanes, kLoraRows = kRowTile;
 template <typename W>
 inline v16f load_n(const W* p, int64_t n) {
   if (n >= kLanes) return load_kv(p);
@@ -35,86 +102,26 @@ inline v16f load_n(const W* p, int64_t n) {
   std::memcpy(buf, p, sizeof(W) * n);
   return load_kv(buf);
 }
-
-// out[i][0:n] (+)= sum_k in[i][k] w[k][0:n] for `rows` rows (row i at in[i], out[i]); w row stride ldw;
-// n <= kLoraCols; accumulate: out starts from its values (else from zero). kt: rows of this tile.
-template <int64_t kt, typename W>
-inline void lora_tile(const float* const* in, float* const* out, const W* w, int64_t ldw, int64_t depth, int64_t n,
-                      bool accumulate) {
-  v16f acc[kt][kLoraVecs];
-  for (int64_t i = 0; i < kt; ++i)
-    for (int64_t v = 0; v < kLoraVecs; ++v)
-      acc[i][v] = accumulate && v * kLanes < n ? load_n(out[i] + v * kLanes, n - v * kLanes) : v16f{};
-  for (int64_t k = 0; k < depth; ++k) {
-    v16f wv[kLoraVecs];
-    for (int64_t v = 0; v < kLoraVecs; ++v) wv[v] = v * kLanes < n ? load_n(w + k * ldw + v * kLanes, n - v * kLanes) : v16f{};
-    for (int64_t i = 0; i < kt; ++i) {
-      const v16f xi = splat(in[i][k]);
-      for (int64_t v = 0; v < kLoraVecs; ++v) acc[i][v] += xi * wv[v];
-    }
-  }
-  for (int64_t i = 0; i < kt; ++i)
-    for (int64_t v = 0; v < kLoraVecs && v * kLanes < n; ++v)
-      store(out[i] + v * kLanes, acc[i][v], static_cast<int>(std::min<int64_t>(kLanes, n - v * kLanes)));
-}
-
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// AVX2: the same tile with its accumulators as __m256 pairs. Written as v16f arrays, GCC keeps the
-// halves on the stack and rebuilds every vector lane by lane (the kernel ran 10x slower than this).
-inline __m256 load_w8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_w8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-template <typename W>
-inline __m256 load_w8_n(const W* p, int64_t n) {  // zeros past n (none at all for n <= 0)
-  if (n >= 8) return load_w8(p);
-  W buf[8] = {};
-  if (n > 0) std::memcpy(buf, p, sizeof(W) * n);
-  return load_w8(buf);
-}
-inline void store_w8_n(float* p, __m256 v, int64_t n) {
-  if (n >= 8) _mm256_storeu_ps(p, v);
-  else if (n > 0) std::memcpy(p, &v, sizeof(float) * n);
-}
-
-template <int64_t kt, bool full, typename W>
-inline void lora_tile8(const float* const* in, float* const* out, const W* w, int64_t ldw, int64_t depth, int64_t n,
-                       bool accumulate) {
-  __m256 acc[kt][2];
-  for (int64_t i = 0; i < kt; ++i)
-    for (int64_t v = 0; v < 2; ++v) acc[i][v] = accumulate ? load_w8_n(out[i] + 8 * v, n - 8 * v) : _mm256_setzero_ps();
-  for (int64_t k = 0; k < depth; ++k) {
-    const W* wk = w + k * ldw;
-    const __m256 w0 = full ? load_w8(wk) : load_w8_n(wk, n), w1 = full ? load_w8(wk + 8) : load_w8_n(wk + 8, n - 8);
-    for (int64_t i = 0; i < kt; ++i) {
-      const __m256 xi = _mm256_broadcast_ss(in[i] + k);
-      acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
-    }
-  }
-  for (int64_t i = 0; i < kt; ++i) store_w8_n(out[i], acc[i][0], n), store_w8_n(out[i] + 8, acc[i][1], n - 8);
-}
-
 template <int64_t kt, typename W>
 inline void lora_tile_any(const float* const* in, float* const* out, const W* w, int64_t ldw, int64_t depth, int64_t n,
                           bool accumulate) {
-  if (n == kLoraCols) lora_tile8<kt, true, W>(in, out, w, ldw, depth, n, accumulate);
-  else lora_tile8<kt, false, W>(in, out, w, ldw, depth, n, accumulate);
+  v16f acc[kt];
+  for (int64_t i = 0; i < kt; ++i) acc[i] = accumulate ? load_n(out[i], n) : v16f{};
+  for (int64_t k = 0; k < depth; ++k) {
+    const v16f wv = load_n(w + k * ldw, n);
+    for (int64_t i = 0; i < kt; ++i) acc[i] += splat(in[i][k]) * wv;
+  }
+  for (int64_t i = 0; i < kt; ++i) store(out[i], acc[i], static_cast<int>(n));
 }
-constexpr int64_t kLoraRows = 6;  // 12 accumulators, two weight vectors and a broadcast: 15 of 16 ymm
-#else
-template <int64_t kt, typename W>
-inline void lora_tile_any(const float* const* in, float* const* out, const W* w, int64_t ldw, int64_t depth, int64_t n,
-                          bool accumulate) {
-  lora_tile<kt, W>(in, out, w, ldw, depth, n, accumulate);
-}
-constexpr int64_t kLoraRows = kRowTile;
 #endif
 
-// the tile over `rows` rows in tiles of kLoraRows, then 4, 2 and 1 for the rest
+// the tile over `rows` rows in tiles of kLoraRows, then 8, 4, 2 and 1 for the rest
 template <typename W>
 inline void lora_rows(const float* const* in, float* const* out, int64_t rows, const W* w, int64_t ldw,
                       int64_t depth, int64_t n, bool accumulate) {
   int64_t i = 0;
   for (; i + kLoraRows <= rows; i += kLoraRows) lora_tile_any<kLoraRows, W>(in + i, out + i, w, ldw, depth, n, accumulate);
+  if (kLoraRows > 8 && i + 8 <= rows) lora_tile_any<8, W>(in + i, out + i, w, ldw, depth, n, accumulate), i += 8;
   if (kLoraRows > 4 && i + 4 <= rows) lora_tile_any<4, W>(in + i, out + i, w, ldw, depth, n, accumulate), i += 4;
   if (i + 2 <= rows) lora_tile_any<2, W>(in + i, out + i, w, ldw, depth, n, accumulate), i += 2;
   if (i < rows) lora_tile_any<1, W>(in + i, out + i, w, ldw, depth, n, accumulate);
