@@ -162,13 +162,21 @@ def test_prefix_cache_blocks_belong_to_their_adapter(setup, llm):
     assert again[0] >= 48 and again[1] == first[1]
 
 
-def test_ngram_speculation_under_an_adapter_equals_plain_decoding(setup, llm):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_under_an_adapter_equals_plain_decoding(setup, llm, method):
+    """The draft (n-gram, or the base model itself without the adapter) proposes; the target verifies
+    under the request's adapter, so the tokens are the adapter's own."""
     base, _, _, reqs = setup
+    sc = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    if method == "draft_model":
+        sc.update(model=base, quantization="none", disable_by_batch_size=None)
     spec = LLM(base, dtype="float32", quantization="none", kv_cache_memory="64MiB", kv_cache_dtype="float32",
-               enable_lora=True, skip_tokenizer_init=True,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+               enable_lora=True, skip_tokenizer_init=True, speculative_config=sc)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    assert [t for t, _ in run(spec, [prompt], reqs["a2"], n=16)] == [t for t, _ in run(llm, [prompt], reqs["a2"], n=16)]
+    out = spec.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        lora_request=reqs["a2"], use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == run(llm, [prompt], reqs["a2"], n=16)[0][0]
+    assert out.metrics.num_draft_tokens > 0  # drafts were proposed and verified under the adapter
 
 
 def test_unloading_waits_for_running_requests_and_refuses_new_ones(setup, llm):
