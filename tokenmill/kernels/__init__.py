@@ -177,14 +177,15 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return torch.ops.tokenmill.paged_context_attention(q, k_cache, v_cache, block_table, start, scale, window)
 
 
-def encoder_attention_for(x: torch.Tensor, head_dim: int) -> bool:
+def encoder_attention_for(x: torch.Tensor, head_dim: int, longest: int) -> bool:
     """Whether encoder_attention serves these activations: float32 or bfloat16 (widened for the
     kernel: the attention of a bfloat16 encoder then sums in float32) outside autograd, a head size
-    of 16s, an AVX-512 variant (the AVX2 build of the kernel keeps its register tiles on the stack
-    and runs several times slower than SDPA: SDPA serves there)."""
+    of 16s; on the AVX-512 variants any length, on AVX2 inputs of at most 384 tokens (past them
+    SDPA's flash schedule, its keys in blocks, overtakes the kernel's whole rows of scores:
+    benchmarks/RESULTS.md §6)."""
     return (head_dim % 16 == 0 and head_dim <= 256 and x.dtype in (torch.float32, torch.bfloat16)
             and x.device.type == "cpu" and not torch.is_grad_enabled() and available()
-            and isa() in ("avx512", "avx512vnni", "avx512bf16", "amx"))
+            and (isa() in ("avx512", "avx512vnni", "avx512bf16", "amx") or longest <= 384))
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, starts: torch.Tensor,

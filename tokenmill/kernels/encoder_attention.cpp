@@ -5,9 +5,8 @@
 // the cache whole (512 x 32 floats is 64 KiB), so no online softmax is needed: per (input, head) the
 // keys are transposed once, then each tile of query rows computes its row of scores against all
 // keys (one K^T vector load feeds a tile's FMAs), takes the softmax over the row, and multiplies it
-// into V on register tiles (one V row load feeds the tile's FMAs). In use on the AVX-512 variants:
-// the AVX2 build is correct but GCC keeps its arrays of v16f pairs on the stack and it runs several
-// times slower than SDPA, which serves there (kernels.encoder_attention_for).
+// into V on register tiles (one V row load feeds the tile's FMAs), in the ISA's own registers
+// (VecW: as arrays of v16f the AVX2 build ran several times slower than SDPA).
 //   q, k, v (T, H, D) float32 (q scaled by the caller's `scale` here), starts (B + 1,) int64 -> out (T, H, D)
 #include <vector>
 
@@ -16,70 +15,63 @@
 namespace tokenmill {
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kEncRows = 8, kEncVecs = 2;  // scores: 8 rows x 32 keys in 16 zmm; P.V: 8 rows x 32 outputs
-#else
-constexpr int kEncRows = 4, kEncVecs = 1;  // AVX2 (16 ymm): 4 rows x 16 keys; P.V: 4 rows x 16 outputs
-#endif
-constexpr int64_t kEncChunk = kEncVecs * kLanes;
+// Register tiles of VecW (vec.h): 8 rows x 2 zmm (32 keys or outputs) on AVX-512, 6 rows x 2 ymm
+// (16) on AVX2 (12 accumulators, two loaded vectors and a broadcast of 16 ymm).
+constexpr int kEncRows = kW == 16 ? 8 : 6, kEncVecs = 2;
+constexpr int64_t kEncChunk = kEncVecs * kW;
 
 // One tile of `rows` query rows (copied, scaled, zero-padded to kEncRows) against one input's keys.
 void attend_tile(const float (*q)[kMaxHeadDim], const float* kt, int64_t n, int64_t n_pad, const float* v,
                  int64_t v_stride, int64_t D, float* scores, float* out, int64_t out_stride, int rows) {
   // scores (kEncRows, n_pad) = q . K^T; the columns past n set to -inf
   for (int64_t j = 0; j < n_pad; j += kEncChunk) {
-    v16f acc[kEncRows][kEncVecs];
+    VecW acc[kEncRows][kEncVecs];
     for (int r = 0; r < kEncRows; ++r)
-      for (int c = 0; c < kEncVecs; ++c) acc[r][c] = v16f{};
+      for (int c = 0; c < kEncVecs; ++c) acc[r][c] = zero_w();
     for (int64_t d = 0; d < D; ++d) {
-      v16f kv[kEncVecs];
-      for (int c = 0; c < kEncVecs; ++c) kv[c] = load(kt + d * n_pad + j + c * kLanes);
+      VecW kv[kEncVecs];
+      for (int c = 0; c < kEncVecs; ++c) kv[c] = load_w(kt + d * n_pad + j + c * kW);
       for (int r = 0; r < kEncRows; ++r) {
-        const v16f qd = splat(q[r][d]);
-        for (int c = 0; c < kEncVecs; ++c) acc[r][c] += qd * kv[c];
+        const VecW qd = splat_w(&q[r][d]);
+        for (int c = 0; c < kEncVecs; ++c) acc[r][c] = fma_w(qd, kv[c], acc[r][c]);
       }
     }
     for (int r = 0; r < kEncRows; ++r)
-      for (int c = 0; c < kEncVecs; ++c) *reinterpret_cast<v16u*>(scores + r * n_pad + j + c * kLanes) = acc[r][c];
+      for (int c = 0; c < kEncVecs; ++c) store_w(scores + r * n_pad + j + c * kW, acc[r][c]);
   }
   float inv[kEncRows];
   for (int r = 0; r < kEncRows; ++r) {
     float* s = scores + r * n_pad;
     for (int64_t j = n; j < n_pad; ++j) s[j] = -std::numeric_limits<float>::infinity();
-    v16f m = load(s);
-    for (int64_t j = kLanes; j < n_pad; j += kLanes) {
-      const v16f x = load(s + j);
-      m = x > m ? x : m;
+    VecW m = load_w(s);
+    for (int64_t j = kW; j < n_pad; j += kW) m = max_w(m, load_w(s + j));
+    const float mx = hmax_w(m);
+    const VecW mv = splat_w(&mx);
+    VecW sum = zero_w();
+    for (int64_t j = 0; j < n_pad; j += kW) {
+      const VecW e = exp_w(sub_w(load_w(s + j), mv));
+      store_w(s + j, e);
+      sum = add_w(sum, e);
     }
-    float mx = m[0];
-    for (int i = 1; i < kLanes; ++i) mx = std::max(mx, m[i]);
-    const v16f mv = splat(mx);
-    v16f sum{};
-    for (int64_t j = 0; j < n_pad; j += kLanes) {
-      const v16f e = exp16(load(s + j) - mv);
-      *reinterpret_cast<v16u*>(s + j) = e;
-      sum += e;
-    }
-    inv[r] = 1.f / hsum(sum);
+    inv[r] = 1.f / hsum_w(sum);
   }
-  // out rows = P . V, kLanes * kEncVecs output columns at a time
+  // out rows = P . V, kEncChunk output columns at a time
   for (int64_t c0 = 0; c0 < D; c0 += kEncChunk) {
-    const int vecs = static_cast<int>(std::min<int64_t>(kEncVecs, (D - c0) / kLanes));
-    v16f acc[kEncRows][kEncVecs];
+    const int vecs = static_cast<int>(std::min<int64_t>(kEncVecs, (D - c0) / kW));
+    VecW acc[kEncRows][kEncVecs];
     for (int r = 0; r < kEncRows; ++r)
-      for (int c = 0; c < kEncVecs; ++c) acc[r][c] = v16f{};
+      for (int c = 0; c < kEncVecs; ++c) acc[r][c] = zero_w();
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = v + j * v_stride + c0;
-      v16f vv[kEncVecs];
-      for (int c = 0; c < kEncVecs; ++c) vv[c] = c < vecs ? load(vr + c * kLanes) : v16f{};
+      VecW vv[kEncVecs];
+      for (int c = 0; c < kEncVecs; ++c) vv[c] = c < vecs ? load_w(vr + c * kW) : zero_w();
       for (int r = 0; r < kEncRows; ++r) {
-        const v16f p = splat(scores[r * n_pad + j]);
-        for (int c = 0; c < kEncVecs; ++c) acc[r][c] += p * vv[c];
+        const VecW p = splat_w(scores + r * n_pad + j);
+        for (int c = 0; c < kEncVecs; ++c) acc[r][c] = fma_w(p, vv[c], acc[r][c]);
       }
     }
     for (int r = 0; r < rows; ++r)
-      for (int c = 0; c < vecs; ++c)
-        *reinterpret_cast<v16u*>(out + r * out_stride + c0 + c * kLanes) = acc[r][c] * splat(inv[r]);
+      for (int c = 0; c < vecs; ++c) store_w(out + r * out_stride + c0 + c * kW, mul_w(acc[r][c], splat_w(&inv[r])));
   }
 }
 

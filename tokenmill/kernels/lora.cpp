@@ -26,40 +26,8 @@ namespace {
 constexpr int64_t kLoraBlock = 32;  // rows per work item: a prompt chunk's rows share each adapter read
 
 #if defined(__AVX2__)
-// The register tile in the ISA's own vectors (zmm, or ymm on AVX2): written as arrays of v16f, GCC
-// keeps AVX2's halves on the stack and rebuilds vectors lane by lane (the kernel ran 10x slower).
-#if defined(__AVX512F__)
-using VecW = __m512;
-constexpr int64_t kW = 16, kLoraRows = 12;  // 12 rows x 2 vectors of accumulators: 24 of 32 zmm
-inline VecW load_w(const float* p) { return _mm512_loadu_ps(p); }
-inline VecW load_w(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline VecW zero_w() { return _mm512_setzero_ps(); }
-inline VecW splat_w(const float* p) { return _mm512_set1_ps(*p); }
-inline VecW fma_w(VecW a, VecW b, VecW c) { return _mm512_fmadd_ps(a, b, c); }
-inline void store_w(float* p, VecW v) { _mm512_storeu_ps(p, v); }
-#else
-using VecW = __m256;
-constexpr int64_t kW = 8, kLoraRows = 6;  // 6 rows x 2 vectors, two weight vectors, a broadcast: 15 of 16 ymm
-inline VecW load_w(const float* p) { return _mm256_loadu_ps(p); }
-inline VecW load_w(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline VecW zero_w() { return _mm256_setzero_ps(); }
-inline VecW splat_w(const float* p) { return _mm256_broadcast_ss(p); }
-inline VecW fma_w(VecW a, VecW b, VecW c) { return _mm256_fmadd_ps(a, b, c); }
-inline void store_w(float* p, VecW v) { _mm256_storeu_ps(p, v); }
-#endif
+constexpr int64_t kLoraRows = kW == 16 ? 12 : 6;  // x 2 vectors: 24 of 32 zmm; on AVX2 12 + 2 weights + 1 = 15 ymm
 constexpr int64_t kLoraCols = 2 * kW;  // columns per work item: two vectors
-
-template <typename W>
-inline VecW load_w_n(const W* p, int64_t n) {  // zeros past n (none at all for n <= 0)
-  if (n >= kW) return load_w(p);
-  W buf[kW] = {};
-  if (n > 0) std::memcpy(buf, p, sizeof(W) * n);
-  return load_w(buf);
-}
-inline void store_w_n(float* p, VecW v, int64_t n) {
-  if (n >= kW) return store_w(p, v);
-  if (n > 0) std::memcpy(p, &v, sizeof(float) * n);
-}
 
 // out[i][0:n] (+)= sum_k in[i][k] w[k][0:n] for kt rows (row i at in[i], out[i]); w row stride ldw;
 // n <= nv vectors, all of them when full; accumulate: out starts from its values (else from zero).

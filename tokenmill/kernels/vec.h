@@ -151,4 +151,54 @@ inline v16f exp16(v16f x) {
 #endif
 }
 
+#if defined(__AVX2__)
+// One register of floats at the ISA's width (zmm; ymm on AVX2), for register tiles: a tile written as
+// an array of v16f makes GCC keep AVX2's ymm halves on the stack and rebuild each vector lane by
+// lane (LoRA's tile ran 10x slower so). VecW tiles compute the same FMA chains on either ISA.
+#if defined(__AVX512F__)
+using VecW = __m512;
+constexpr int64_t kW = 16;
+inline VecW load_w(const float* p) { return _mm512_loadu_ps(p); }
+inline VecW load_w(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline VecW zero_w() { return _mm512_setzero_ps(); }
+inline VecW splat_w(const float* p) { return _mm512_set1_ps(*p); }
+inline VecW fma_w(VecW a, VecW b, VecW c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecW mul_w(VecW a, VecW b) { return _mm512_mul_ps(a, b); }
+inline VecW add_w(VecW a, VecW b) { return _mm512_add_ps(a, b); }
+inline VecW sub_w(VecW a, VecW b) { return _mm512_sub_ps(a, b); }
+inline VecW max_w(VecW a, VecW b) { return _mm512_max_ps(a, b); }
+inline VecW exp_w(VecW x) { return __m512(exp16(v16f(x))); }
+inline float hsum_w(VecW v) { return _mm512_reduce_add_ps(v); }
+inline float hmax_w(VecW v) { return _mm512_reduce_max_ps(v); }
+inline void store_w(float* p, VecW v) { _mm512_storeu_ps(p, v); }
+#else
+using VecW = __m256;
+constexpr int64_t kW = 8;
+inline VecW load_w(const float* p) { return _mm256_loadu_ps(p); }
+inline VecW load_w(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VecW zero_w() { return _mm256_setzero_ps(); }
+inline VecW splat_w(const float* p) { return _mm256_broadcast_ss(p); }
+inline VecW fma_w(VecW a, VecW b, VecW c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecW mul_w(VecW a, VecW b) { return _mm256_mul_ps(a, b); }
+inline VecW add_w(VecW a, VecW b) { return _mm256_add_ps(a, b); }
+inline VecW sub_w(VecW a, VecW b) { return _mm256_sub_ps(a, b); }
+inline VecW max_w(VecW a, VecW b) { return _mm256_max_ps(a, b); }
+inline VecW exp_w(VecW x) { return exp8(x); }
+inline float hsum_w(VecW v) { return hsum8(v); }
+inline float hmax_w(VecW v) { return hmax8(v); }
+inline void store_w(float* p, VecW v) { _mm256_storeu_ps(p, v); }
+#endif
+template <typename W>
+inline VecW load_w_n(const W* p, int64_t n) {  // zeros past n (none at all for n <= 0)
+  if (n >= kW) return load_w(p);
+  W buf[kW] = {};
+  if (n > 0) std::memcpy(buf, p, sizeof(W) * n);
+  return load_w(buf);
+}
+inline void store_w_n(float* p, VecW v, int64_t n) {
+  if (n >= kW) return store_w(p, v);
+  if (n > 0) std::memcpy(p, &v, sizeof(float) * n);
+}
+#endif
+
 }  // namespace tokenmill

@@ -214,7 +214,7 @@ class Encoder(nn.Module):
             rope = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         x = self.embed_norm(x)
         runs, starts = [], None
-        if kernels.encoder_attention_for(x, self.cfg.hidden_size // self.cfg.num_heads):
+        if kernels.encoder_attention_for(x, self.cfg.hidden_size // self.cfg.num_heads, max(lengths, default=0)):
             starts = torch.tensor([0, *lengths]).cumsum(0)  # the kernel: every input in one call
         else:
             runs = _same_length_runs(lengths, x.device)
