@@ -38,7 +38,7 @@ UNITS = (("dot_linear.cpp", "kquant.cpp", "linear.cpp", "shm.cpp", "amx.cpp"),
          ("stack.cpp", "lut.cpp", "attention.cpp", "context_attention.cpp", "pointwise.cpp", "amx_attention.cpp",
           "encoder_attention.cpp", "lora.cpp"))
 SOURCES = [HERE / f for unit in UNITS for f in unit]
-HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h", "decode_avx2.h", "rows_avx2.h", "amx.h")]
+HEADERS = [HERE / f for f in ("ops.h", "vec.h", "shm.h", "dot.h", "attention.h", "decode_avx2.h", "decode_avx512.h", "rows_avx2.h", "amx.h")]
 
 _AVX2 = ("-mavx", "-mavx2", "-mfma", "-mf16c", "-mbmi", "-mbmi2", "-mlzcnt", "-mpopcnt")
 _AVX512 = _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
