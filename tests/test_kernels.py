@@ -219,7 +219,7 @@ def test_paged_decode_attention_equals_gather_then_sdpa(lens, bs, hq, hkv, d, dt
             tables[i, :max(0, n - window) // bs] = -1
     got = kernels.paged_decode_attention(q, kc, vc, tables, lens_t, scale, window)
     assert got.shape == q.shape
-    # int8 keys meet a query rounded to int16 per head on AVX-512 (15 bits; attention.cpp)
+    # int8 keys meet a query rounded to int16 per head on AVX-512 (15 bits; decode_avx512.h)
     assert (got - ref).abs().max() <= (1e-4 if dtype == torch.int8 else 2e-5)
 
 
